@@ -1,0 +1,17 @@
+"""User-facing errors: each carries one line that the command line prints as it is."""
+
+
+class LofastError(Exception):
+    """Base class of every error a user can cause (bad file, bad option, bad data)."""
+
+
+class DataError(LofastError):
+    """Missing, corrupt, truncated or wrongly shaped data."""
+
+
+class CheckpointError(LofastError):
+    """A checkpoint that is missing, corrupt or does not match its config."""
+
+
+class CertificationError(LofastError):
+    """A model or input that cannot be certified as asked (NaN input, unsupported structure...)."""
