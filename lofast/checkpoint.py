@@ -1,0 +1,115 @@
+"""Checkpoints as safetensors files: raw weights plus the model config and provenance in metadata.
+
+safetensors never executes code on load; writes go to a temporary file that replaces the
+target only when complete, so an interrupt never leaves a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, safe_open, save_file
+
+from lofast import __version__
+from lofast.config import ModelConfig
+from lofast.errors import CheckpointError, LofastError
+from lofast.models.vit import LipschitzViT
+
+FORMAT = "lofast-checkpoint-1"
+
+
+def atomic_write(path: Path, write: Any) -> None:
+    """Call write(tmp_path) on a temporary file beside `path`, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_checkpoint(path: str | os.PathLike, model: LipschitzViT,
+                    metadata: dict[str, Any] | None = None) -> None:
+    """Write the model's weights and config; metadata values are stored as JSON strings."""
+    meta = {key: json.dumps(value) for key, value in (metadata or {}).items()}
+    meta.update(format=FORMAT, model_config=model.config.to_json(), lofast_version=__version__)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    atomic_write(Path(path), lambda tmp: save_file(tensors, tmp, metadata=meta))
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint's metadata with JSON values decoded; 'model_config' as a dict."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors checkpoint ({e})") from None
+    if raw.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a lofast checkpoint (no '{FORMAT}' metadata)")
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu") -> LipschitzViT:
+    """A ready model in eval mode that maps images in [0,1] to logits.
+
+    Raises CheckpointError for a missing, corrupt or mismatched file (weights that do not fit
+    the stored config).
+    """
+    meta = read_metadata(path)
+    try:
+        config = ModelConfig.from_dict(meta["model_config"])
+    except (KeyError, TypeError, LofastError) as e:
+        raise CheckpointError(f"{path}: invalid model config in metadata ({e})") from None
+    try:
+        tensors = load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: corrupt checkpoint ({e})") from None
+    model = LipschitzViT(config)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: weights do not match the config "
+            f"(missing: {', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'})"
+        )
+    for key, value in tensors.items():
+        if value.shape != expected[key].shape:
+            raise CheckpointError(
+                f"{path}: weight {key} has shape {tuple(value.shape)}, "
+                f"the config needs {tuple(expected[key].shape)}"
+            )
+        if not torch.isfinite(value).all():
+            raise CheckpointError(f"{path}: weight {key} contains NaN or infinity")
+    model.load_state_dict(tensors)
+    return model.to(device).eval()
+
+
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
+DEFAULT_CHECKPOINT = "lofast-default.safetensors"
+
+
+def default_checkpoint_path() -> Path:
+    """The shipped default checkpoint (checkpoints/ beside the package, as in the repository)."""
+    path = SHIPPED_DIR / DEFAULT_CHECKPOINT
+    if not path.is_file():
+        raise CheckpointError(f"no --checkpoint given and no shipped checkpoint at {path}")
+    return path

@@ -1,0 +1,50 @@
+"""The `lofast` command: a thin click group over the library. torch is imported inside commands
+so that `lofast --help` stays fast."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.console import Console
+
+from lofast import __version__
+from lofast.errors import LofastError
+
+stderr = Console(stderr=True, highlight=False)
+
+
+class LofastGroup(click.Group):
+    """Maps every user-caused error to one line on stderr and exit code 1, and an interrupt to
+    exit code 130, instead of a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except LofastError as e:
+            stderr.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            stderr.print("[yellow]interrupted[/]: finished work is saved; rerun with --resume")
+            sys.exit(130)
+
+
+@click.group(cls=LofastGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="lofast")
+def cli() -> None:
+    """Train Lipschitz vision transformers and certify their l2 robustness with LoFAST."""
+
+
+def _register() -> None:
+    from lofast.cli import certify_cmd, info_cmd, train_cmd
+
+    cli.add_command(train_cmd.train)
+    cli.add_command(certify_cmd.certify)
+    cli.add_command(info_cmd.info)
+
+
+_register()
+
+
+def main() -> None:
+    cli(prog_name="lofast")

@@ -1,0 +1,135 @@
+"""`lofast train`: train a Lipschitz ViT and write a safetensors checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+console = Console(stderr=True, highlight=False)
+
+
+def parse_model_options(options: tuple[str, ...]) -> dict:
+    """'key=value' pairs; values are JSON (numbers, null) or plain strings; 'none' means None."""
+    from lofast.errors import LofastError
+
+    parsed = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep:
+            raise LofastError(f"--model-option expects key=value, got {option!r}")
+        if value.lower() == "none":
+            parsed[key.replace("-", "_")] = None
+            continue
+        try:
+            parsed[key.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            parsed[key.replace("-", "_")] = value
+    return parsed
+
+
+@click.command()
+@click.option("--dataset", type=click.Choice(["cifar10", "svhn", "folder"]), default="cifar10",
+              show_default=True)
+@click.option("--data", "data_path", type=click.Path(path_type=Path), required=True,
+              help="Data set location: official files, an image folder or a .tar(.gz) of one.")
+@click.option("--download", is_flag=True, help="Download CIFAR-10 to --data if it is absent.")
+@click.option("--preset", default="paper-d3", show_default=True, help="Model preset.")
+@click.option("--model-option", "model_options", multiple=True, metavar="KEY=VALUE",
+              help="Override a model config field, e.g. value_cap=0.4 (repeatable).")
+@click.option("--epochs", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--lr", type=float, default=1e-3, show_default=True)
+@click.option("--weight-decay", type=float, default=0.0, show_default=True)
+@click.option("--warmup-epochs", type=float, default=1.0, show_default=True)
+@click.option("--schedule", type=click.Choice(["cosine", "constant"]), default="cosine",
+              show_default=True)
+@click.option("--loss", type=click.Choice(["ce", "margin"]), default="ce", show_default=True,
+              help="margin: Lipschitz-margin cross-entropy (trades clean accuracy for "
+                   "certifiable margin).")
+@click.option("--margin", type=float, default=0.0, show_default=True,
+              help="Feature-space margin for --loss margin.")
+@click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option("--augment/--no-augment", default=True, show_default=True,
+              help="Random crop and horizontal flip.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1 ...")
+@click.option("--amp/--no-amp", default=True, show_default=True,
+              help="bfloat16 autocast (GPU only).")
+@click.option("--limit", type=click.IntRange(min=1), default=None,
+              help="Train on the first N images only (quick runs).")
+@click.option("--out", type=click.Path(path_type=Path, dir_okay=False), required=True,
+              help="Checkpoint to write (.safetensors).")
+@click.option("--resume", is_flag=True,
+              help="Continue from OUT.state.pt if an earlier run was interrupted.")
+def train(dataset, data_path, download, preset, model_options, epochs, batch_size, lr,
+          weight_decay, warmup_epochs, schedule, loss, margin, temperature, augment, seed,
+          device, amp, limit, out, resume) -> None:
+    """Train a Lipschitz ViT on a data set and save it as a checkpoint."""
+    import torch
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from lofast.checkpoint import save_checkpoint
+    from lofast.config import TrainConfig
+    from lofast.config import preset as make_preset
+    from lofast.data import load_dataset
+    from lofast.models.vit import create_model
+    from lofast.train import resolve_device
+    from lofast.train import train as run_training
+
+    ctx = click.get_current_context()
+    dev = resolve_device(device)
+    config = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
+                         warmup_epochs=warmup_epochs, schedule=schedule, loss=loss,
+                         margin=margin, temperature=temperature, augment=augment, seed=seed,
+                         amp=amp)
+    model_config = make_preset(preset, **parse_model_options(model_options))
+    train_set = load_dataset(data_path, "train", dataset, download=download)
+    test_set = load_dataset(data_path, "test", dataset)
+    if limit is not None:
+        train_set = train_set.subset(slice(0, limit))
+    torch.manual_seed(seed)
+    model = create_model(model_config, seed=seed)
+    state_path = out.with_name(out.name + ".state.pt")
+    console.print(f"training [bold]{preset}[/] on {train_set.name} ({len(train_set)} train, "
+                  f"{len(test_set)} test images) on {dev}")
+
+    columns = [TextColumn("epoch {task.fields[epoch]}"), BarColumn(),
+               TextColumn("{task.completed}/{task.total}"),
+               TextColumn("loss {task.fields[loss]:.3f} acc {task.fields[acc]:.1%} "
+                          "{task.fields[ips]:.0f} img/s"), TimeElapsedColumn()]
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("train", total=1, epoch="-", loss=0.0, acc=0.0, ips=0.0)
+
+        def on_step(s):
+            progress.update(task, completed=s.step, total=s.steps, epoch=f"{s.epoch}/{epochs}",
+                            loss=s.loss, acc=s.accuracy, ips=s.images_per_second)
+
+        def on_epoch(s):
+            progress.console.print(
+                f"epoch {s.epoch}/{s.epochs}: loss {s.train_loss:.4f}, train acc "
+                f"{s.train_accuracy:.2%}, test acc {s.test_accuracy:.2%}, "
+                f"{s.images_per_second:.0f} img/s, {s.seconds:.1f} s")
+
+        history = run_training(model, train_set.images, train_set.labels, test_set.images,
+                               test_set.labels, config, dev, state_path=state_path,
+                               resume=resume, on_step=on_step, on_epoch=on_epoch)
+    final = history[-1]
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in ctx.params.items()}
+    save_checkpoint(out, model.cpu(), metadata={
+        "dataset": train_set.name,
+        "classes": list(train_set.classes),
+        "train_command": "lofast train " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+        if Path(sys.argv[0]).name == "lofast" else options,
+        "train_options": options,
+        "clean_accuracy": final.test_accuracy,
+        "epochs": final.epoch,
+        "device": str(dev),
+        "train_seconds": sum(h.seconds for h in history),
+        "history": [h.__dict__ for h in history],
+    })
+    console.print(f"saved [bold]{out}[/]: clean test accuracy {final.test_accuracy:.2%}")

@@ -1,0 +1,206 @@
+"""Lipschitz building blocks of the ViT. Each stage module reports its exact structure via spec().
+
+Weights are kept raw and made effective in every forward pass (a spectral cap, SLL's
+rescaling, row normalisation), so training, certification and export all see one function.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lofast.models.structure import (
+    AttentionSpec,
+    EmbedSpec,
+    HeadSpec,
+    PoolSpec,
+    ProjectSpec,
+    SLLSpec,
+)
+
+# SLL's rescaling t is inflated by this factor so that diag(t) - W^T W stays positive
+# semidefinite with room to spare after floating-point rounding (the certifier re-checks it).
+SLL_SAFETY = 1e-4
+
+
+def spectral_cap(weight: Tensor, cap: float | None) -> Tensor:
+    """weight * min(1, cap / ||weight||): the spectral norm of the result is at most cap."""
+    if cap is None:
+        return weight
+    sigma = torch.linalg.matrix_norm(weight, ord=2)
+    return weight * (cap / torch.clamp(sigma, min=cap))
+
+
+def _frozen(t: Tensor) -> Tensor:
+    return t.detach().to(torch.float64).clone()
+
+
+class PatchEmbed(nn.Module):
+    """Images (B, C, H, W) in [0,1] -> tokens (B, 1 + n_patches, d), class token first."""
+
+    def __init__(self, image_size: int, channels: int, patch_size: int, width: int,
+                 cap: float, center: float) -> None:
+        super().__init__()
+        self.patch_size = patch_size
+        self.cap = cap
+        self.center = center
+        num_patches = (image_size // patch_size) ** 2
+        self.weight = nn.Parameter(torch.empty(width, channels * patch_size**2))
+        nn.init.orthogonal_(self.weight)
+        self.bias = nn.Parameter(torch.zeros(width))
+        self.position = nn.Parameter(0.02 * torch.randn(num_patches, width))
+        self.cls_token = nn.Parameter(torch.zeros(width))
+
+    def effective_weight(self) -> Tensor:
+        return spectral_cap(self.weight, self.cap)
+
+    def patchify(self, x: Tensor) -> Tensor:
+        """(B, C, H, W) -> (B, n_patches, C*p*p), row-major patches; an isometry."""
+        b, c, h, w = x.shape
+        p = self.patch_size
+        x = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5)
+        return x.reshape(b, (h // p) * (w // p), c * p * p)
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = F.linear(self.patchify(x - self.center), self.effective_weight(), self.bias)
+        tokens = tokens + self.position
+        cls = self.cls_token.expand(tokens.shape[0], 1, -1)
+        return torch.cat([cls, tokens], dim=1)
+
+    def spec(self) -> EmbedSpec:
+        return EmbedSpec(weight=_frozen(self.effective_weight()))
+
+
+class LayerProject(nn.Module):
+    """Project every token (last dim) onto the l2 ball of radius R: 1-Lipschitz (convex set)."""
+
+    def __init__(self, radius: float) -> None:
+        super().__init__()
+        self.radius = float(radius)
+
+    def forward(self, x: Tensor) -> Tensor:
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        return x * torch.clamp(self.radius / torch.clamp(norm, min=1e-30), max=1.0)
+
+    def spec(self) -> ProjectSpec:
+        return ProjectSpec(radius=self.radius)
+
+
+class Attention(nn.Module):
+    """Residual multi-head dot-product attention X + sum_l P_l(X) X Wv_l Wo_l, no biases.
+
+    Heads split the columns of Wq, Wk, Wv (d, d) and the rows of Wo (d, d); the caps apply to
+    the whole matrices, so every head's ||Wv_l Wo_l|| <= value_cap * output_cap.
+    """
+
+    def __init__(self, width: int, heads: int, query_key_cap: float | None,
+                 value_cap: float, output_cap: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.head_dim = width // heads
+        self.scale = math.sqrt(width / heads)
+        self.caps = {"query": query_key_cap, "key": query_key_cap,
+                     "value": value_cap, "output": output_cap}
+        self.weights = nn.ParameterDict()
+        for name in self.caps:
+            w = torch.empty(width, width)
+            nn.init.orthogonal_(w)
+            self.weights[name] = nn.Parameter(w)
+
+    def effective_weights(self) -> dict[str, Tensor]:
+        return {name: spectral_cap(self.weights[name], cap) for name, cap in self.caps.items()}
+
+    def _split_heads(self, x: Tensor) -> Tensor:
+        b, n, _ = x.shape
+        return x.reshape(b, n, self.heads, self.head_dim).transpose(1, 2)  # (B, h, n, dh)
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.effective_weights()
+        q = self._split_heads(x @ w["query"])
+        k = self._split_heads(x @ w["key"])
+        v = self._split_heads(x @ w["value"])
+        probs = torch.softmax(q @ k.transpose(-1, -2) / self.scale, dim=-1)  # (B, h, n, n)
+        mixed = (probs @ v).transpose(1, 2).reshape(x.shape)
+        return x + mixed @ w["output"]
+
+    def spec(self) -> AttentionSpec:
+        w = {name: _frozen(t) for name, t in self.effective_weights().items()}
+        d, h, dh = w["query"].shape[0], self.heads, self.head_dim
+
+        def per_head_columns(m: Tensor) -> Tensor:  # (d, d) -> (h, d, dh)
+            return m.reshape(d, h, dh).permute(1, 0, 2).contiguous()
+
+        return AttentionSpec(
+            query=per_head_columns(w["query"]),
+            key=per_head_columns(w["key"]),
+            value=per_head_columns(w["value"]),
+            output=w["output"].reshape(h, dh, d).contiguous(),
+            residual=True,
+            scale=self.scale,
+        )
+
+
+class SLL(nn.Module):
+    """SDP-based Lipschitz residual layer (Araujo et al., 2023), applied to every token.
+
+    x -> x - 2 W diag(1/t) relu(W^T x + b) with t_i = sum_j |W^T W|_ij q_j / q_i: diag(t)
+    dominates W^T W, which makes the layer 1-Lipschitz for any weights.
+    """
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(width, hidden))
+        nn.init.xavier_normal_(self.weight)
+        self.bias = nn.Parameter(torch.zeros(hidden))
+        self.log_q = nn.Parameter(torch.zeros(hidden))
+
+    def rescaling(self) -> Tensor:
+        """t (k,), computed in the weight's dtype."""
+        q = torch.exp(self.log_q)
+        gram = (self.weight.T @ self.weight).abs()
+        return (gram * q[None, :] / q[:, None]).sum(dim=1) * (1.0 + SLL_SAFETY)
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = torch.relu(x @ self.weight + self.bias) / self.rescaling()
+        return x - 2.0 * hidden @ self.weight.T
+
+    def spec(self) -> SLLSpec:
+        return SLLSpec(weight=_frozen(self.weight), bias=_frozen(self.bias),
+                       t=_frozen(self.rescaling()))
+
+
+class Pool(nn.Module):
+    """Tokens (B, n, d) -> (B, d): mean over tokens or the class token."""
+
+    def __init__(self, kind: str, num_tokens: int) -> None:
+        super().__init__()
+        self.kind = kind
+        self.num_tokens = num_tokens
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mean(dim=1) if self.kind == "mean" else x[:, 0]
+
+    def spec(self) -> PoolSpec:
+        return PoolSpec(kind=self.kind, num_tokens=self.num_tokens)
+
+
+class NormalizedHead(nn.Module):
+    """Linear classifier with unit-norm rows, so ||w_y - w_j|| <= 2 and margins cannot be
+    inflated by scaling the head."""
+
+    def __init__(self, width: int, num_classes: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(num_classes, width) / math.sqrt(width))
+        self.bias = nn.Parameter(torch.zeros(num_classes))
+
+    def effective_weight(self) -> Tensor:
+        return self.weight / torch.linalg.vector_norm(self.weight, dim=1, keepdim=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.effective_weight(), self.bias)
+
+    def spec(self) -> HeadSpec:
+        return HeadSpec(weight=_frozen(self.effective_weight()), bias=_frozen(self.bias))

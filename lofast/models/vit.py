@@ -1,0 +1,67 @@
+"""The Lipschitz ViT: a flat list of stages, each either L-Lipschitz or a LoFAST attention block."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lofast.config import ModelConfig
+from lofast.models.layers import SLL, Attention, LayerProject, NormalizedHead, PatchEmbed, Pool
+from lofast.models.structure import StageSpec
+
+
+class LipschitzViT(nn.Module):
+    """Maps images (B, C, H, W) in [0,1] to logits (B, num_classes).
+
+    The forward pass is the composition of `self.stages`; `structure()` lists their specs in the
+    same order, and `forward_with_activations` returns the clean input of every stage, which is
+    exactly what the certifier composes.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        stages: list[nn.Module] = [
+            PatchEmbed(c.image_size, c.channels, c.patch_size, c.width, c.embed_cap,
+                       c.input_center)
+        ]
+        for _ in range(c.depth):
+            stages.append(LayerProject(c.attn_radius))
+            stages.append(Attention(c.width, c.heads, c.query_key_cap, c.value_cap,
+                                    c.output_cap))
+            if c.mlp_radius is not None:
+                stages.append(LayerProject(c.mlp_radius))
+            stages.append(SLL(c.width, c.width * c.mlp_ratio))
+        if c.final_radius is not None:
+            stages.append(LayerProject(c.final_radius))
+        stages.append(Pool(c.pool, c.num_tokens))
+        stages.append(NormalizedHead(c.width, c.num_classes))
+        self.stages = nn.ModuleList(stages)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+    def forward_with_activations(self, x: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """Logits and the list of clean stage inputs (stage k's input is element k)."""
+        activations = []
+        for stage in self.stages:
+            activations.append(x)
+            x = stage(x)
+        return x, activations
+
+    @torch.no_grad()
+    def structure(self) -> list[StageSpec]:
+        """The specs of all stages, in forward order, from the effective float64 weights."""
+        return [stage.spec() for stage in self.stages]
+
+
+def create_model(config: ModelConfig, seed: int | None = None) -> LipschitzViT:
+    """A freshly initialised model (deterministic for a given seed)."""
+    if seed is not None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return LipschitzViT(config)
+    return LipschitzViT(config)

@@ -1,0 +1,180 @@
+"""Certificates -> per-sample records (JSONL), a summary (table or JSON)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.table import Table
+
+from lofast.errors import LofastError
+
+
+def eps_key(eps: float) -> str:
+    """The stable text form of an eps value used as a JSON key."""
+    return f"{eps:g}"
+
+
+@dataclass
+class SampleRecord:
+    """One certified sample. verdicts/bounds/verifiers are keyed by eps_key(eps)."""
+
+    index: int
+    label: int
+    prediction: int
+    margin: float  # min_j z_y - z_j (negative when misclassified)
+    radius: float  # largest radius LoFAST certifies (0 when misclassified)
+    verdicts: dict[str, bool]  # certified at eps, by any verifier
+    bounds: dict[str, float]  # LoFAST's feature-space radius at eps
+    verifiers: dict[str, str | None]  # which verifier certified ("lofast", "crown", ...)
+    reasons: dict[str, str] = field(default_factory=dict)  # why not certified, when known
+    rule: str = "pairwise-head"  # z_y - z_j > ||w_y - w_j|| delta_h for all j
+    seconds: float = 0.0  # time spent on this sample (its share of the batch, all stages)
+    fallback_seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), allow_nan=False)
+
+
+class RecordWriter:
+    """Appends records to a JSONL file and flushes each batch, so an interrupt loses nothing
+    that was finished. With resume, records already in the file are kept and reported."""
+
+    def __init__(self, path: Path | None, resume: bool, eps: Sequence[float]) -> None:
+        self.path = path
+        self.done: dict[int, SampleRecord] = {}
+        if path is None:
+            self.handle = None
+            return
+        if resume and path.is_file():
+            self.done = read_records(path, eps)
+            self._rewrite_clean()
+        elif path.exists() and not resume:
+            raise LofastError(f"{path} exists; pass --resume to continue it or choose another --out")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.handle = open(path, "a", encoding="utf-8")
+
+    def _rewrite_clean(self) -> None:
+        """Drop a torn last line left by an interrupt before appending to the file."""
+        assert self.path is not None
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for record in self.done.values():
+                f.write(record.to_json() + "\n")
+        os.replace(tmp, self.path)
+
+    def write(self, records: Iterable[SampleRecord]) -> None:
+        if self.handle is None:
+            return
+        for record in records:
+            self.handle.write(record.to_json() + "\n")
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+
+
+def read_records(path: Path, eps: Sequence[float]) -> dict[int, SampleRecord]:
+    """Records of a JSONL file by index; a torn final line is ignored, a file made for other
+    eps values is refused."""
+    records: dict[int, SampleRecord] = {}
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, 1):
+        try:
+            record = SampleRecord(**json.loads(line))
+        except (json.JSONDecodeError, TypeError):
+            if number == len(lines):
+                break  # the line being written when the run stopped
+            raise LofastError(f"{path}:{number}: not a lofast record") from None
+        if set(record.verdicts) != {eps_key(e) for e in eps}:
+            raise LofastError(f"{path}: was written for eps {sorted(record.verdicts)}; "
+                              "resume with the same --eps values")
+        records[record.index] = record
+    return records
+
+
+@dataclass
+class Summary:
+    samples: int
+    clean_accuracy: float
+    certified_accuracy: dict[str, float]
+    certified_by: dict[str, dict[str, int]]  # eps -> verifier -> samples it certified
+    median_radius: float
+    mean_radius: float
+    mean_ms_per_sample: float
+    total_seconds: float
+    guarantee: str
+    bound: str
+    kappa: float
+    device: str
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # stage -> seconds/sample
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(records: Sequence[SampleRecord], eps: Sequence[float], total_seconds: float,
+              guarantee: str, bound: str, kappa: float, device: str) -> Summary:
+    n = len(records)
+    certified = {}
+    certified_by: dict[str, dict[str, int]] = {}
+    for e in eps:
+        key = eps_key(e)
+        certified[key] = sum(r.verdicts[key] for r in records) / n if n else math.nan
+        counts: dict[str, int] = {}
+        for r in records:
+            if r.verifiers.get(key):
+                counts[r.verifiers[key]] = counts.get(r.verifiers[key], 0) + 1
+        certified_by[key] = counts
+    radii = [r.radius for r in records]
+    fallback = sum(sum(r.fallback_seconds.values()) for r in records)
+    lofast = sum(r.seconds for r in records) - fallback
+    stage_seconds = {"lofast": lofast / n if n else math.nan}
+    if fallback:
+        stage_seconds["fallback"] = fallback / n
+    return Summary(
+        samples=n,
+        clean_accuracy=sum(r.prediction == r.label for r in records) / n if n else math.nan,
+        certified_accuracy=certified,
+        certified_by=certified_by,
+        median_radius=statistics.median(radii) if radii else math.nan,
+        mean_radius=statistics.fmean(radii) if radii else math.nan,
+        mean_ms_per_sample=1e3 * sum(r.seconds for r in records) / n if n else math.nan,
+        total_seconds=total_seconds,
+        guarantee=guarantee,
+        bound=bound,
+        kappa=kappa,
+        device=device,
+        stage_seconds=stage_seconds,
+    )
+
+
+def summary_table(summary: Summary) -> Table:
+    table = Table(title="lofast certification", show_header=True, header_style="bold")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_row("samples", str(summary.samples))
+    table.add_row("clean accuracy", f"{summary.clean_accuracy:.2%}")
+    for key, value in summary.certified_accuracy.items():
+        by = summary.certified_by.get(key, {})
+        detail = ", ".join(f"{v}: {c}" for v, c in sorted(by.items()))
+        table.add_row(f"certified accuracy @ eps={key}",
+                      f"{value:.2%}" + (f"  ({detail})" if len(by) > 1 else ""))
+    table.add_row("median / mean certified radius",
+                  f"{summary.median_radius:.4f} / {summary.mean_radius:.4f}")
+    table.add_row("time per sample", f"{summary.mean_ms_per_sample:.2f} ms")
+    for stage, seconds in summary.stage_seconds.items():
+        if len(summary.stage_seconds) > 1:
+            table.add_row(f"  of which {stage}", f"{1e3 * seconds:.2f} ms")
+    table.add_row("total time", f"{summary.total_seconds:.2f} s")
+    table.add_row("bound", f"{summary.bound} (kappa={summary.kappa:g})")
+    table.add_row("guarantee", summary.guarantee)
+    table.add_row("device", summary.device)
+    return table

@@ -1,0 +1,212 @@
+"""Training loop, losses and the resumable training state. Progress goes through callbacks."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lofast.checkpoint import atomic_write
+from lofast.config import TrainConfig
+from lofast.errors import LofastError
+from lofast.models.vit import LipschitzViT
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' picks CUDA when present; asking for CUDA without one is an error, not a fallback."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise LofastError(f"unknown device {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise LofastError(f"device {name!r} requested but no CUDA GPU is available")
+    return device
+
+
+def head_pair_norms(model: LipschitzViT, labels: Tensor) -> Tensor:
+    """||w_y - w_j|| for every sample and class j, (B, C); zero at j = y."""
+    weight = model.stages[-1].effective_weight()
+    return torch.linalg.vector_norm(weight[labels][:, None, :] - weight[None], dim=-1)
+
+
+def training_loss(model: LipschitzViT, logits: Tensor, labels: Tensor,
+                  config: TrainConfig) -> Tensor:
+    """Cross-entropy, or the Lipschitz-margin variant: non-true logits raised by
+    margin * ||w_y - w_j||, the amount the head certificate needs for a feature-space radius
+    equal to `margin`."""
+    if config.loss == "margin" and config.margin > 0:
+        logits = logits + config.margin * head_pair_norms(model, labels)
+    return F.cross_entropy(logits / config.temperature, labels)
+
+
+def augment(images: Tensor, generator: torch.Generator) -> Tensor:
+    """Random crop with 4-pixel zero padding and random horizontal flip, (B, C, H, W)."""
+    b, _, h, w = images.shape
+    padded = F.pad(images, (4, 4, 4, 4))
+    dy = torch.randint(0, 9, (b,), generator=generator)
+    dx = torch.randint(0, 9, (b,), generator=generator)
+    rows = (dy[:, None] + torch.arange(h)[None]).to(images.device)  # (B, H)
+    cols = (dx[:, None] + torch.arange(w)[None]).to(images.device)  # (B, W)
+    batch = torch.arange(b, device=images.device)[:, None, None, None]
+    channel = torch.arange(images.shape[1], device=images.device)[None, :, None, None]
+    out = padded[batch, channel, rows[:, None, :, None], cols[:, None, None, :]]
+    flip = (torch.rand(b, generator=generator) < 0.5).to(images.device)
+    return torch.where(flip[:, None, None, None], out.flip(-1), out)
+
+
+def to_float(images: np.ndarray | Tensor, device: torch.device) -> Tensor:
+    """uint8 (B, H, W, C) -> float32 (B, C, H, W) in [0, 1] on device."""
+    t = torch.as_tensor(images).to(device)
+    return t.permute(0, 3, 1, 2).float().div_(255.0)
+
+
+@torch.no_grad()
+def evaluate(model: LipschitzViT, images: np.ndarray, labels: np.ndarray,
+             device: torch.device, batch_size: int = 500) -> float:
+    """Clean accuracy in [0, 1]."""
+    model.eval()
+    correct = 0
+    for start in range(0, len(labels), batch_size):
+        x = to_float(images[start:start + batch_size], device)
+        y = torch.as_tensor(labels[start:start + batch_size], device=device)
+        correct += (model(x).argmax(dim=1) == y).sum().item()
+    return correct / max(len(labels), 1)
+
+
+@dataclass
+class EpochStats:
+    epoch: int
+    epochs: int
+    train_loss: float
+    train_accuracy: float
+    test_accuracy: float
+    images_per_second: float
+    seconds: float
+
+
+@dataclass
+class StepStats:
+    epoch: int
+    step: int
+    steps: int
+    loss: float
+    accuracy: float
+    images_per_second: float
+
+
+def _lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(total - warmup, 1)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarray,
+          test_images: np.ndarray, test_labels: np.ndarray, config: TrainConfig,
+          device: torch.device, state_path: Path | None = None, resume: bool = False,
+          on_step: Callable[[StepStats], None] | None = None,
+          on_epoch: Callable[[EpochStats], None] | None = None) -> list[EpochStats]:
+    """Train in place; after every epoch the full state is written atomically to state_path.
+
+    With resume=True and an existing state file, training continues after the last finished
+    epoch with the same optimizer, schedule and random streams, so an interrupted run ends
+    where an uninterrupted one would.
+    """
+    model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
+                                  weight_decay=config.weight_decay)
+    steps_per_epoch = math.ceil(len(train_labels) / config.batch_size)
+    total = steps_per_epoch * config.epochs
+    warmup = int(config.warmup_epochs * steps_per_epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: _lr_factor(s, total, warmup, config.schedule))
+    generator = torch.Generator().manual_seed(config.seed)
+    history: list[EpochStats] = []
+    start_epoch = 0
+    if resume and state_path is not None and state_path.is_file():
+        state = load_training_state(state_path)
+        if state["train_config"] != asdict(config):
+            raise LofastError(f"{state_path}: the training settings differ from this run's; "
+                              "resume with the same options")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        generator.set_state(state["generator"])
+        start_epoch = state["epoch"]
+        history = [EpochStats(**h) for h in state["history"]]
+    use_amp = config.amp and device.type == "cuda"
+    labels_all = torch.as_tensor(train_labels)
+    for epoch in range(start_epoch, config.epochs):
+        model.train()
+        started = time.perf_counter()
+        order = torch.randperm(len(train_labels), generator=generator)
+        loss_sum, correct, seen = 0.0, 0, 0
+        for step in range(steps_per_epoch):
+            index = order[step * config.batch_size:(step + 1) * config.batch_size]
+            x = to_float(train_images[index.numpy()], device)
+            y = labels_all[index].to(device)
+            if config.augment:
+                x = augment(x, generator)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
+                logits = model(x)
+            loss = training_loss(model, logits.float(), y, config)
+            if not torch.isfinite(loss):
+                raise LofastError(f"training diverged at epoch {epoch + 1} (loss {loss.item()}); "
+                                  "lower the learning rate")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            loss_sum += loss.item() * len(y)
+            correct += (logits.argmax(dim=1) == y).sum().item()
+            seen += len(y)
+            if on_step is not None:
+                on_step(StepStats(epoch + 1, step + 1, steps_per_epoch, loss_sum / seen,
+                                  correct / seen, seen / (time.perf_counter() - started)))
+        seconds = time.perf_counter() - started
+        stats = EpochStats(epoch + 1, config.epochs, loss_sum / seen, correct / seen,
+                           evaluate(model, test_images, test_labels, device),
+                           seen / seconds, seconds)
+        history.append(stats)
+        if state_path is not None:
+            save_training_state(state_path, model, optimizer, scheduler, generator, epoch + 1,
+                                config, history)
+        if on_epoch is not None:
+            on_epoch(stats)
+    model.eval()
+    return history
+
+
+def save_training_state(path: Path, model: LipschitzViT, optimizer: torch.optim.Optimizer,
+                        scheduler: torch.optim.lr_scheduler.LRScheduler,
+                        generator: torch.Generator, epoch: int, config: TrainConfig,
+                        history: list[EpochStats]) -> None:
+    state = {
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "generator": generator.get_state(),
+        "epoch": epoch,
+        "train_config": asdict(config),
+        "history": [asdict(h) for h in history],
+    }
+    atomic_write(path, lambda tmp: torch.save(state, tmp))
+
+
+def load_training_state(path: Path) -> dict:
+    """Read a state file written by save_training_state (tensors and plain data only)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for corrupt files
+        raise LofastError(f"{path}: unreadable training state ({type(e).__name__})") from None
