@@ -87,9 +87,12 @@ def train(dataset, data_path, download, preset, model_options, epochs, batch_siz
                          warmup_epochs=warmup_epochs, schedule=schedule, loss=loss,
                          margin=margin, temperature=temperature, augment=augment, seed=seed,
                          amp=amp)
-    model_config = make_preset(preset, **parse_model_options(model_options))
     train_set = load_dataset(data_path, "train", dataset, download=download)
     test_set = load_dataset(data_path, "test", dataset)
+    height, _, channels = train_set.images.shape[1:]
+    model_config = make_preset(preset, **{"num_classes": len(train_set.classes),
+                                          "image_size": height, "channels": channels,
+                                          **parse_model_options(model_options)})
     if limit is not None:
         train_set = train_set.subset(slice(0, limit))
     torch.manual_seed(seed)
