@@ -1,0 +1,337 @@
+"""Spectral norms of batched linear maps, each with a stated guarantee.
+
+Power iteration approaches a spectral norm from below: its value is an estimate, never a
+certificate. This module offers three methods and says which guarantee each carries:
+
+- ``dense`` (DETERMINISTIC): materialise the operator, take its exact float64 spectral norm and
+  inflate it by ``ROUNDING_MARGIN``, which covers the rounding errors of the computation.
+- ``lanczos`` (PROBABILISTIC): randomized Lanczos with full reorthogonalisation; the Ritz value is
+  inflated by the Kuczynski-Wozniakowski (1992) bound so that it is an upper bound with
+  probability at least ``1 - failure_probability``, and at most ``1 + relative_slack`` times the
+  Ritz estimate.
+- ``power`` (ESTIMATE): plain power iteration, no inflation.
+
+Everything runs in float64 on the device of its inputs and is batched over a leading dim B.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# Relative inflation of every computed norm (dense and Lanczos). Why 1e-8 (about 9e7 u, with
+# u = 1.1e-16 the unit roundoff of float64) covers the rounding: LAPACK's symmetric eigensolver and SVD are backward stable, the computed
+# singular values are exact for A + E with ||E|| <= p(N) u ||A||, so by Weyl
+# |sigma_hat - sigma| <= p(N) u ||A||, with p(N) a modest polynomial. Even the generous
+# p(N) = N^1.5 stays below 3.5e7 for N <= 1e5. Forming the Gram matrix of an m x k matrix
+# (k >= m) adds a worst-case relative error k m u / 2 to sigma (|fl(A A^T) - A A^T| <=
+# k u |A| |A|^T and || |A| |A|^T || <= ||A||_F^2 <= m ||A||^2); ``matrix_norm_upper`` forms it only
+# while k m <= GRAM_LIMIT (error <= 1.1e-9) and uses the SVD beyond. The same margin also covers
+# the rounding of the matrix-free products (errors of order d u, for inner sums of length d,
+# relative to the magnitudes of the factors, which for softmax rows and bounded weights are not
+# large against the norm) and the Lanczos Ritz value, which full reorthogonalisation keeps within
+# a small multiple of m sqrt(N) u of an exact Ritz value. Typical errors are orders smaller.
+ROUNDING_MARGIN = 1e-8
+
+# Largest k m for which an m x k matrix's norm is taken from its Gram matrix (see above).
+GRAM_LIMIT = 2e7
+
+# Lanczos breakdown: beta_j <= BREAKDOWN_TOL * max_i ||A q_i|| means span(q_0..q_j) is invariant
+# up to a perturbation E of A with ||E|| <= beta_j <= BREAKDOWN_TOL * lambda_max(A); this factor
+# is added to the bound. It sits a few decades above the rounding noise of a reorthogonalised
+# residual (about m u) so that true breakdowns are caught, and far below ROUNDING_MARGIN.
+BREAKDOWN_TOL = 1e-12
+
+# The constant of the Kuczynski-Wozniakowski (1992) bound for the Lanczos algorithm.
+KW_CONSTANT = 1.648
+
+# Working memory (float64 elements) for one block of basis vectors when materialising a dense
+# operator: 2^24 elements = 128 MiB.
+DENSE_BLOCK_ELEMENTS = 1 << 24
+
+LinearMap = Callable[[Tensor], Tensor]
+
+
+class Guarantee(str, enum.Enum):
+    """What a computed norm is: a certificate (deterministic or probabilistic) or an estimate."""
+
+    DETERMINISTIC = "deterministic"  # exact dense float64 + rounding margin
+    PROBABILISTIC = "probabilistic"  # randomized Lanczos with a stated failure probability
+    ESTIMATE = "estimate"  # power iteration: NOT an upper bound, never a certificate
+
+
+_ORDER = (Guarantee.DETERMINISTIC, Guarantee.PROBABILISTIC, Guarantee.ESTIMATE)
+
+
+def weakest_guarantee(*guarantees: Guarantee) -> Guarantee:
+    """The weakest of some guarantees (DETERMINISTIC for none)."""
+    return max(guarantees, key=_ORDER.index, default=Guarantee.DETERMINISTIC)
+
+
+@dataclass(frozen=True)
+class LanczosPlan:
+    """Number of Lanczos steps (Krylov dimension) and the relative eigenvalue gap eps used."""
+
+    steps: int
+    eps: float
+
+
+@dataclass(frozen=True)
+class SpectralMethod:
+    """How matrix-free spectral norms are computed."""
+
+    kind: str = "lanczos"  # "dense" | "lanczos" | "power"
+    failure_probability: float = 1e-9  # per norm, lanczos only
+    relative_slack: float = 1e-3  # lanczos: bound / Ritz estimate = 1 + relative_slack
+    power_iterations: int = 100  # power only
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("dense", "lanczos", "power"):
+            raise ValueError(f"unknown spectral method {self.kind!r}; "
+                             "choose 'dense', 'lanczos' or 'power'")
+        if not 0.0 < self.failure_probability < 1.0:
+            raise ValueError("failure_probability must lie in (0, 1)")
+        if not 1e-6 <= self.relative_slack <= 1.0:
+            raise ValueError("relative_slack must lie in [1e-6, 1]")
+        if self.power_iterations < 1:
+            raise ValueError("power_iterations must be at least 1")
+
+    @property
+    def guarantee(self) -> Guarantee:
+        return {"dense": Guarantee.DETERMINISTIC, "lanczos": Guarantee.PROBABILISTIC,
+                "power": Guarantee.ESTIMATE}[self.kind]
+
+    def describe(self, dim: int | None = None) -> str:
+        """One human line; with ``dim`` (the operator's smaller side) Lanczos names its steps."""
+        if self.kind == "dense":
+            return (f"deterministic: exact float64 spectral norms, inflated by a relative "
+                    f"rounding margin of {ROUNDING_MARGIN:g}")
+        if self.kind == "power":
+            return (f"estimate: power iteration ({self.power_iterations} steps), a lower estimate "
+                    "of each norm, NOT a certificate")
+        steps = (f"{lanczos_plan(dim, self).steps} steps" if dim is not None
+                 else "Kuczynski-Wozniakowski step count")
+        return (f"probabilistic: randomized Lanczos ({steps}, relative slack "
+                f"{self.relative_slack:g}), each norm an upper bound with probability >= "
+                f"1 - {self.failure_probability:g}")
+
+
+def kw_failure_bound(dim: int, steps: int, eps: float) -> float:
+    """Kuczynski-Wozniakowski bound on P[xi < (1 - eps) lambda_max] for Lanczos on a PSD
+    dim x dim matrix from a uniformly random start, with a Krylov space of dimension ``steps``
+    (counted conservatively as k = steps - 1 products beyond the start):
+    1.648 sqrt(dim) exp(-(2k - 1) sqrt(eps)). Values >= 1 say nothing."""
+    k = steps - 1
+    return KW_CONSTANT * math.sqrt(dim) * math.exp(-(2 * k - 1) * math.sqrt(eps))
+
+
+def lanczos_plan(dim: int, method: SpectralMethod) -> LanczosPlan:
+    """Fewest Lanczos steps m for which the KW bound is <= the failure probability.
+
+    eps is chosen so that the returned bound sqrt(xi / ((1 - eps)(1 - BREAKDOWN_TOL))) *
+    (1 + ROUNDING_MARGIN) is exactly (1 + relative_slack) sqrt(xi). When m would reach dim, it is
+    capped at dim: a Krylov space of the full dimension gives lambda_max exactly in exact
+    arithmetic (for almost every start), and eps = 0.
+    """
+    if dim < 1:
+        raise ValueError("operator dimension must be at least 1")
+    inflation = (1.0 + ROUNDING_MARGIN) ** 2 / (1.0 - BREAKDOWN_TOL)
+    eps = 1.0 - inflation / (1.0 + method.relative_slack) ** 2
+    needed = math.log(KW_CONSTANT * math.sqrt(dim) / method.failure_probability) / math.sqrt(eps)
+    k = math.ceil((needed + 1.0) / 2.0)  # (2k - 1) sqrt(eps) >= log(1.648 sqrt(N) / p)
+    if k + 1 >= dim:
+        return LanczosPlan(steps=dim, eps=0.0)
+    return LanczosPlan(steps=k + 1, eps=eps)
+
+
+def working_elements(method: SpectralMethod, in_dim: int, out_dim: int) -> int:
+    """Float64 elements ``operator_norm`` holds per batch item (to size batch chunks)."""
+    small = min(in_dim, out_dim)
+    if method.kind == "dense":
+        return 2 * in_dim * out_dim + small * small
+    if method.kind == "lanczos":
+        steps = lanczos_plan(small, method).steps
+        return (steps + 4) * small + steps * steps
+    return 4 * (in_dim + out_dim)
+
+
+def matrix_norm_upper(M: Tensor) -> Tensor:
+    """Deterministic upper bound on the spectral norms of explicit matrices (..., m, k).
+
+    Exact float64 spectral norm (largest eigenvalue of the smaller Gram matrix, or the largest
+    singular value when that Gram matrix would round too much, see ``GRAM_LIMIT``), times
+    (1 + ROUNDING_MARGIN). Returns (...) float64 on M's device.
+    """
+    if M.dim() < 2:
+        raise ValueError(f"expected matrices (..., m, k), got shape {tuple(M.shape)}")
+    M = M.to(torch.float64)
+    rows, cols = M.shape[-2:]
+    if rows == 0 or cols == 0:
+        return M.new_zeros(M.shape[:-2])
+    unit = _power_of_two_above(M.abs().amax(dim=(-2, -1)))  # exact rescaling: no underflow
+    M = M / unit[..., None, None]
+    if rows * cols <= GRAM_LIMIT:
+        gram = M @ M.mT if rows <= cols else M.mT @ M
+        sigma = torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0.0).sqrt()
+    else:
+        sigma = torch.linalg.svdvals(M)[..., 0]
+    return unit * sigma * (1.0 + ROUNDING_MARGIN)
+
+
+def operator_norm(apply: LinearMap, adjoint: LinearMap, in_shape: tuple[int, ...], batch: int,
+                  method: SpectralMethod, dtype: torch.dtype = torch.float64,
+                  device: torch.device | str | None = None,
+                  generator: torch.Generator | None = None) -> Tensor:
+    """Spectral norms ||L_b|| of a batch of linear maps given matrix-free.
+
+    ``apply`` maps (B, *in_shape) -> (B, *out_shape) and ``adjoint`` the reverse, both built
+    from torch operations (the dense method evaluates them under ``torch.func.vmap``). The
+    iterations run on the smaller side (L^T L or L L^T). Returns (B,) float64:
+
+    - dense: exact norm times (1 + ROUNDING_MARGIN), a deterministic upper bound;
+    - lanczos: an upper bound with probability >= 1 - failure_probability for each b
+      separately (over the random start drawn from ``generator``), see ``lanczos_norm``;
+    - power: an estimate from below, no guarantee.
+    """
+    if dtype != torch.float64:
+        raise ValueError("spectral norms are computed in float64 only")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    in_shape = tuple(in_shape)
+    out_shape = tuple(apply(torch.zeros((batch, *in_shape), dtype=dtype, device=device)).shape[1:])
+    if math.prod(out_shape) < math.prod(in_shape):  # iterate on the smaller side
+        apply, adjoint, in_shape, out_shape = adjoint, apply, out_shape, in_shape
+    if method.kind == "dense":
+        matrix = _materialise(apply, in_shape, math.prod(out_shape), batch, device)
+        return matrix_norm_upper(matrix)
+    start = _random_unit(batch, math.prod(in_shape), device, generator)
+    if method.kind == "lanczos":
+        return lanczos_norm(apply, adjoint, start, in_shape, method)
+    return power_norm(apply, adjoint, start, in_shape, method.power_iterations)
+
+
+def lanczos_norm(apply: LinearMap, adjoint: LinearMap, start: Tensor, in_shape: tuple[int, ...],
+                 method: SpectralMethod) -> Tensor:
+    """Probabilistic upper bound on ||L_b|| by Lanczos on A = L^T L (N = prod(in_shape)).
+
+    Guarantee. Let xi be the largest Ritz value after m steps (Krylov space of dimension m,
+    ``lanczos_plan``) from a start drawn uniformly on the unit sphere. In exact arithmetic
+    xi <= lambda_max(A) always, and by Kuczynski & Wozniakowski (1992, Thm 4.2)
+    P[xi < (1 - eps) lambda_max] <= 1.648 sqrt(N) exp(-(2(m - 1) - 1) sqrt(eps)) <= p. Hence,
+    with probability >= 1 - p for each sample (draws are independent across the batch),
+    ||L_b|| <= sqrt(xi / ((1 - eps)(1 - BREAKDOWN_TOL))) * (1 + ROUNDING_MARGIN), the value
+    returned, which equals (1 + relative_slack) sqrt(xi). The BREAKDOWN_TOL factor accounts for
+    stopping at a numerical breakdown; ROUNDING_MARGIN for float64 rounding, kept small by full
+    reorthogonalisation (classical Gram-Schmidt, applied twice, against all previous vectors).
+    The recursion runs on A / c^2 for an exact power-of-two c (``_normalised_gram``), which
+    changes no ratio above and keeps every intermediate away from underflow and overflow.
+
+    start: (B, N) unit vectors. Returns (B,) float64.
+    """
+    batch, dim = start.shape
+    plan = lanczos_plan(dim, method)
+    m = plan.steps
+    gram, unit = _normalised_gram(apply, adjoint, start, in_shape)
+    basis = start.new_zeros(batch, m, dim)
+    alpha = start.new_zeros(batch, m)
+    beta = start.new_zeros(batch, m)
+    scale = start.new_zeros(batch)  # running max ||A q_i|| <= lambda_max(A)
+    broken = torch.zeros(batch, dtype=torch.bool, device=start.device)
+    q = start
+    for j in range(m):
+        basis[:, j] = q
+        w = gram(q)
+        alpha[:, j] = (q * w).sum(dim=1)
+        scale = torch.maximum(scale, torch.linalg.vector_norm(w, dim=1))
+        if j == m - 1:
+            break
+        previous = basis[:, : j + 1]
+        for _ in range(2):  # CGS2: removes alpha_j q_j, beta_{j-1} q_{j-1} and rounding drift
+            # row-vector products (1 x N)(N x j+1) and (1 x j+1)(j+1 x N): the fastest layout
+            coefficients = torch.bmm(w[:, None, :], previous.mT)  # (B, 1, j + 1)
+            w = w - torch.bmm(coefficients, previous)[:, 0]
+        norm = torch.linalg.vector_norm(w, dim=1)
+        # Breakdown: span(q_0..q_j) is an exact invariant subspace of A + E, ||E|| <= beta_j (the
+        # recursion so far is that of A + E). Zero the sample's recursion: its later vectors are
+        # 0, adding zero rows and columns to T, which keep its top eigenvalue (T is PSD).
+        broken = broken | (norm <= BREAKDOWN_TOL * scale)
+        beta[:, j] = torch.where(broken, 0.0, norm)
+        q = torch.where(broken[:, None], 0.0, w / torch.where(broken, 1.0, norm)[:, None])
+    tridiagonal = (torch.diag_embed(alpha) + torch.diag_embed(beta[:, :-1], offset=1)
+                   + torch.diag_embed(beta[:, :-1], offset=-1))
+    ritz = torch.linalg.eigvalsh(tridiagonal)[:, -1].clamp_min(0.0)
+    inflation = math.sqrt(1.0 / ((1.0 - plan.eps) * (1.0 - BREAKDOWN_TOL)))
+    return unit * ritz.sqrt() * (inflation * (1.0 + ROUNDING_MARGIN))
+
+
+def power_norm(apply: LinearMap, adjoint: LinearMap, start: Tensor, in_shape: tuple[int, ...],
+               iterations: int) -> Tensor:
+    """Estimate ||L_b|| by power iteration on L^T L: returns ||L x|| for the final unit x, which
+    is never above the true norm in exact arithmetic. start: (B, N) unit vectors -> (B,)."""
+    gram, unit = _normalised_gram(apply, adjoint, start, in_shape)
+    x = start
+    for _ in range(iterations):
+        y = gram(x)
+        norm = torch.linalg.vector_norm(y, dim=1, keepdim=True)
+        x = torch.where(norm > 0, y / torch.where(norm > 0, norm, 1.0), x)  # keep x if L x = 0
+    image = apply(x.reshape(x.shape[0], *in_shape)).reshape(x.shape[0], -1)
+    return torch.linalg.vector_norm(image / unit[:, None], dim=1) * unit
+
+
+def _normalised_gram(apply: LinearMap, adjoint: LinearMap, start: Tensor,
+                     in_shape: tuple[int, ...]) -> tuple[LinearMap, Tensor]:
+    """The map q -> L^T (L q / c) / c on (B, N) and the per-sample powers of two c (B,) with
+    max |L q_0| < c <= 2 max |L q_0| (c = 1 where L q_0 = 0).
+
+    A / c^2 = L^T L / c^2 has entries of moderate size whatever the scale of L, so squares in
+    norms and in L^T L neither underflow nor overflow; scaling by a power of two is exact, and
+    ||L|| = c sqrt(lambda_max(A / c^2)).
+    """
+    batch = start.shape[0]
+    image = apply(start.reshape(batch, *in_shape))
+    unit = _power_of_two_above(image.reshape(batch, -1).abs().amax(dim=1))
+    out_unit = unit.reshape(batch, *(1,) * (image.dim() - 1))
+
+    def gram(q: Tensor) -> Tensor:
+        y = apply(q.reshape(batch, *in_shape)) / out_unit
+        return adjoint(y).reshape(batch, -1) / unit[:, None]
+
+    return gram, unit
+
+
+def _power_of_two_above(x: Tensor) -> Tensor:
+    """2^e with x < 2^e <= 2x for positive finite x (elementwise), 1 elsewhere."""
+    mantissa, exponent = torch.frexp(x)  # x = mantissa 2^exponent, mantissa in [0.5, 1)
+    ok = (mantissa > 0) & torch.isfinite(x)
+    return torch.where(ok, torch.ldexp(torch.ones_like(x), exponent), torch.ones_like(x))
+
+
+def _random_unit(batch: int, dim: int, device: torch.device,
+                 generator: torch.Generator | None) -> Tensor:
+    """(batch, dim) float64 vectors uniform on the unit sphere (normalised Gaussians), drawn on
+    the generator's device so that a seeded generator gives the same vectors everywhere."""
+    source = generator.device if generator is not None else device
+    x = torch.randn(batch, dim, generator=generator, dtype=torch.float64, device=source)
+    return (x / torch.linalg.vector_norm(x, dim=1, keepdim=True)).to(device)
+
+
+def _materialise(apply: LinearMap, in_shape: tuple[int, ...], out_dim: int, batch: int,
+                 device: torch.device) -> Tensor:
+    """The explicit matrices (B, out_dim, in_dim) of the maps, one column per basis vector of
+    the input side, mapped in blocks with torch.func.vmap."""
+    in_dim = math.prod(in_shape)
+    matrix = torch.empty(batch, out_dim, in_dim, dtype=torch.float64, device=device)
+    block = max(1, DENSE_BLOCK_ELEMENTS // max(1, batch * max(in_dim, out_dim)))
+    mapped = torch.func.vmap(apply)
+    for first in range(0, in_dim, block):
+        count = min(block, in_dim - first)
+        basis = torch.zeros(count, in_dim, dtype=torch.float64, device=device)
+        basis[:, first: first + count] = torch.eye(count, dtype=torch.float64, device=device)
+        vectors = basis.reshape(count, 1, *in_shape).expand(count, batch, *in_shape)
+        columns = mapped(vectors).reshape(count, batch, out_dim)
+        matrix[:, :, first: first + count] = columns.permute(1, 2, 0)
+    return matrix

@@ -1,0 +1,348 @@
+"""LoFAST quantities of one attention block against independent dense references, and the
+whole bound against a projected-gradient-ascent attack on the block itself."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lofast.bounds.attention import (
+    AttentionSensitivity,
+    AttentionWeights,
+    attention_forward,
+    attention_probabilities,
+    attention_sensitivity,
+)
+from lofast.bounds.spectral import Guarantee, SpectralMethod
+
+DENSE = SpectralMethod(kind="dense")
+LANCZOS = SpectralMethod()
+SLACK = LANCZOS.relative_slack
+EPS = torch.tensor([0.01, 0.05, 0.1, 0.3], dtype=torch.float64)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Many tiny tensor operations: one thread avoids OpenMP synchronisation costs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_weights(h, d, dh, residual, seed, gain=1.0):
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * gain / math.sqrt(shape[1])
+
+    return AttentionWeights(query=draw(h, d, dh), key=draw(h, d, dh), value=draw(h, d, dh),
+                            output=draw(h, dh, d), residual=residual, scale=math.sqrt(d / h))
+
+
+def make_tokens(batch, n, d, row_norm, seed):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(batch, n, d, generator=g, dtype=torch.float64)
+    return X / X.norm(dim=-1, keepdim=True) * row_norm
+
+
+# ---------------------------------------------------------------------------------------------
+# Independent references: explicit Kronecker matrices (row-major vec, vec(P G Q) = (P (x) Q^T)
+# vec(G)), built in numpy from the raw weights, and an autograd Jacobian.
+
+
+def reference_probabilities(X, w):
+    """Per-head loop in numpy: softmax(X Wq (X Wk)^T / s) row by row."""
+    X = X.numpy()
+    out = np.zeros((X.shape[0], w.query.shape[0], X.shape[1], X.shape[1]))
+    for b in range(X.shape[0]):
+        for l in range(w.query.shape[0]):
+            scores = (X[b] @ w.query[l].numpy()) @ (X[b] @ w.key[l].numpy()).T / w.scale
+            e = np.exp(scores - scores.max(axis=1, keepdims=True))
+            out[b, l] = e / e.sum(axis=1, keepdims=True)
+    return out
+
+
+def reference_first_order(X, w):
+    """zeta = ||H (x) I_d + sum_l P_l (x) B_l^T|| (eq. 15) and the naive eq.-12 value."""
+    P = reference_probabilities(X, w)
+    _, n, d = X.shape
+    B = [w.value[l].numpy() @ w.output[l].numpy() for l in range(w.query.shape[0])]
+    zeta, naive = [], []
+    for b in range(X.shape[0]):
+        T = np.kron(np.eye(n), np.eye(d)) if w.residual else np.zeros((n * d, n * d))
+        T = T + sum(np.kron(P[b, l], B[l].T) for l in range(len(B)))
+        zeta.append(np.linalg.norm(T, 2))
+        naive.append(float(w.residual) + sum(np.linalg.norm(B[l], 2) * np.linalg.norm(P[b, l], 2)
+                                             for l in range(len(B))))
+    return np.array(zeta), np.array(naive)
+
+
+def reference_score(X, w):
+    """m_l = ||M_l||, M_l = I_n (x) (X A_l^T) + ((X A_l) (x) I_n) K (K: vec(G) -> vec(G^T)),
+    and xi_l = ||A_l X^T|| + ||X A_l||. Returns (B, h) arrays."""
+    batch, n, d = X.shape
+    heads = w.query.shape[0]
+    K = np.zeros((n * d, n * d))
+    for i in range(n):
+        for k in range(d):
+            K[k * n + i, i * d + k] = 1.0
+    m, xi = np.zeros((batch, heads)), np.zeros((batch, heads))
+    for b in range(batch):
+        x = X[b].numpy()
+        for l in range(heads):
+            A = w.query[l].numpy() @ w.key[l].numpy().T
+            M = np.kron(np.eye(n), x @ A.T) + np.kron(x @ A, np.eye(n)) @ K
+            m[b, l] = np.linalg.norm(M, 2)
+            xi[b, l] = np.linalg.norm(A @ x.T, 2) + np.linalg.norm(x @ A, 2)
+    return m, xi
+
+
+def jacobian_score(X, w, b, l):
+    """||M_l|| from the autograd Jacobian of G -> G A X^T + X A G^T at sample b, head l."""
+    x = X[b]
+    A = w.query[l] @ w.key[l].T
+    J = torch.autograd.functional.jacobian(lambda G: G @ A @ x.T + x @ A @ G.T, torch.zeros_like(x))
+    return torch.linalg.matrix_norm(J.reshape(x.shape[0] ** 2, -1), ord=2).item()
+
+
+CONFIGS = [(3, 6, 2, True), (4, 8, 2, False), (5, 12, 3, True), (2, 10, 5, False)]
+
+
+@pytest.mark.parametrize("n, d, h, residual", CONFIGS)
+@pytest.mark.parametrize("method", [DENSE, LANCZOS], ids=["dense", "lanczos"])
+def test_norms_match_dense_references(n, d, h, residual, method):
+    w = make_weights(h, d, 2, residual, seed=n * d)
+    X = make_tokens(3, n, d, 1.0, seed=h)
+    zeta_ref, naive_ref = reference_first_order(X, w)
+    m_ref, xi_ref = reference_score(X, w)
+    slack = 1e-8 + 1e-12 if method is DENSE else SLACK + 1e-12
+    g = torch.Generator().manual_seed(0)
+
+    lofast = attention_sensitivity(X, w, method=method, generator=g)
+    assert (lofast.zeta.numpy() >= zeta_ref).all()
+    assert (lofast.zeta.numpy() <= zeta_ref * (1 + slack)).all()
+    assert (lofast.score_sensitivity.numpy() >= m_ref).all()
+    assert (lofast.score_sensitivity.numpy() <= m_ref * (1 + slack)).all()
+
+    relaxed = attention_sensitivity(X, w, first_order="naive", score_bound="relaxed",
+                                    method=method, generator=g)
+    assert np.allclose(relaxed.zeta.numpy(), naive_ref, rtol=2e-8)
+    assert (relaxed.zeta.numpy() >= naive_ref).all()
+    assert np.allclose(relaxed.score_sensitivity.numpy(), xi_ref, rtol=2e-8)
+    assert (relaxed.score_sensitivity.numpy() >= xi_ref).all()
+    # explicit-matrix norms agree with numpy
+    value_ref = [[np.linalg.norm(X[b].numpy() @ (w.value[l] @ w.output[l]).numpy(), 2)
+                  for l in range(h)] for b in range(3)]
+    assert np.allclose(lofast.value_norm.numpy(), value_ref, rtol=2e-8)
+    assert np.allclose(lofast.score_weight_norm.numpy(),
+                       np.linalg.norm((w.query @ w.key.mT).numpy(), 2, axis=(1, 2)), rtol=2e-8)
+
+
+def test_score_norm_matches_autograd_jacobian():
+    w = make_weights(3, 8, 4, True, seed=11)
+    X = make_tokens(2, 5, 8, 1.0, seed=12)
+    m = attention_sensitivity(X, w, method=DENSE).score_sensitivity
+    for b in range(2):
+        for l in range(3):
+            exact = jacobian_score(X, w, b, l)
+            assert exact <= m[b, l].item() <= exact * (1 + 1e-8 + 1e-12)
+
+
+def test_lanczos_with_many_steps_on_a_larger_block():
+    # n d = 6 * 64 = 384 > 276 default steps: the Kuczynski-Wozniakowski path of zeta
+    w = make_weights(4, 64, 16, True, seed=13)
+    X = make_tokens(2, 6, 64, 1.0, seed=14)
+    zeta_ref, _ = reference_first_order(X, w)
+    m_ref, _ = reference_score(X, w)
+    sens = attention_sensitivity(X, w, generator=torch.Generator().manual_seed(1))
+    assert (sens.zeta.numpy() >= zeta_ref).all()
+    assert (sens.zeta.numpy() <= zeta_ref * (1 + SLACK + 1e-12)).all()
+    assert (sens.score_sensitivity.numpy() >= m_ref).all()
+    assert (sens.score_sensitivity.numpy() <= m_ref * (1 + SLACK + 1e-12)).all()
+
+
+def test_forward_and_probabilities_match_references():
+    for residual in (True, False):
+        w = make_weights(3, 9, 3, residual, seed=15)
+        X = make_tokens(2, 4, 9, 2.0, seed=16)
+        X = X.float().double()  # float32 tokens are promoted to float64
+        P = attention_probabilities(X.float(), w)
+        assert P.dtype == torch.float64 and P.shape == (2, 3, 4, 4)
+        assert np.allclose(P.numpy(), reference_probabilities(X, w), rtol=1e-12, atol=1e-14)
+        heads = [torch.nn.functional.scaled_dot_product_attention(
+            X @ w.query[l], X @ w.key[l], X @ w.value[l], scale=1.0 / w.scale) @ w.output[l]
+            for l in range(3)]
+        expected = sum(heads) + (X if residual else 0)
+        assert torch.allclose(attention_forward(X, w), expected, rtol=1e-12, atol=1e-14)
+
+
+# ---------------------------------------------------------------------------------------------
+# Soundness of the whole bound: a strong attack never exceeds delta, and delta is nearly
+# attained for small token norms.
+
+
+def pgd_lower_bound(X, w, eps, restarts=6, steps=250, seed=0):
+    """max over restarts of ||F(X + D) - F(X)||_F for ||D||_F <= eps, found by normalised
+    gradient ascent with projection onto the Frobenius ball. X (B, n, d), eps (E,) -> (B, E)."""
+    batch = X.shape[0]
+    copies = restarts * len(eps)
+    Xr = X.repeat(copies, 1, 1)
+    radius = eps.repeat_interleave(restarts).repeat_interleave(batch)[:, None, None]
+    clean = attention_forward(Xr, w)
+    g = torch.Generator().manual_seed(seed)
+    D = torch.randn(Xr.shape, generator=g, dtype=torch.float64)
+    D = D / D.flatten(1).norm(dim=1)[:, None, None] * radius
+    best = torch.zeros(len(Xr), dtype=torch.float64)
+    for t in range(steps):
+        D.requires_grad_(True)
+        gap = (attention_forward(Xr + D, w) - clean).flatten(1).norm(dim=1)
+        (grad,) = torch.autograd.grad(gap.sum(), D)
+        best = torch.maximum(best, gap.detach())
+        step = 0.3 * (1 - t / steps) + 0.01
+        with torch.no_grad():
+            D = D + step * radius * grad / grad.flatten(1).norm(dim=1).clamp_min(1e-300)[:, None, None]
+            D = D * (radius / D.flatten(1).norm(dim=1)[:, None, None]).clamp(max=1.0)
+    return best.reshape(len(eps), restarts, batch).amax(dim=1).T
+
+
+@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize("row_norm", [0.1, 1.0, 2.0])
+def test_delta_dominates_pgd(residual, row_norm):
+    w = make_weights(4, 16, 4, residual, seed=17)
+    X = make_tokens(3, 5, 16, row_norm, seed=18)
+    attack = pgd_lower_bound(X, w, EPS)
+    assert (attack > 0.5 * EPS).all()  # the attack really moved the output
+    eps = EPS[None].expand(3, -1)
+    for kappa in (0.5, 1.0):
+        for first_order, score_bound in [("lofast", "exact"), ("lofast", "relaxed"),
+                                         ("naive", "relaxed")]:
+            sens = attention_sensitivity(X, w, kappa=kappa, first_order=first_order,
+                                         score_bound=score_bound, method=DENSE)
+            assert (sens.delta(eps) >= attack).all(), (kappa, first_order, score_bound)
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_delta_is_tight_for_small_tokens(residual):
+    # the paper's Table 3 regime: token rows of norm 0.1, small eps; zeta eps is exact for the
+    # linear part and the rest is small
+    w = make_weights(8, 32, 4, residual, seed=19)
+    X = make_tokens(3, 6, 32, 0.1, seed=20)
+    eps = EPS[:3]
+    attack = pgd_lower_bound(X, w, eps)
+    for kappa in (0.5, 1.0):
+        sens = attention_sensitivity(X, w, kappa=kappa, score_bound="relaxed", method=DENSE)
+        ratio = sens.delta(eps[None].expand(3, -1)) / attack
+        assert (ratio >= 1).all() and (ratio <= 1.10).all(), ratio
+
+
+# ---------------------------------------------------------------------------------------------
+# Orderings, monotonicity, the softmax constant, guarantees and validation.
+
+
+def test_orderings_and_monotonicity():
+    w = make_weights(4, 16, 4, True, seed=21)
+    X = make_tokens(4, 6, 16, 1.0, seed=22)
+    base = attention_sensitivity(X, w, method=DENSE)
+    relaxed = attention_sensitivity(X, w, score_bound="relaxed", method=DENSE)
+    naive = attention_sensitivity(X, w, first_order="naive", method=DENSE)
+    paper = attention_sensitivity(X, w, kappa=1.0, method=DENSE)
+    assert (base.score_sensitivity <= relaxed.score_sensitivity).all()  # m_l <= xi_l
+    assert (base.zeta <= naive.zeta).all()
+    grid = torch.linspace(0, 2, 41, dtype=torch.float64)[None].expand(4, -1)
+    assert (base.delta(grid) <= paper.delta(grid)).all()
+    assert (base.delta(grid) <= relaxed.delta(grid)).all()
+    for sens in (base, relaxed, naive, paper):
+        values = sens.delta(grid)
+        assert (values[:, 1:] >= values[:, :-1]).all()
+        assert (values[:, 0] == 0).all()
+    # (B,) and (B, E) radii agree
+    assert torch.equal(base.delta(grid[:, 7]), base.delta(grid)[:, 7])
+
+
+def test_delta_formula():
+    sens = AttentionSensitivity(
+        zeta=torch.tensor([2.0]), score_sensitivity=torch.tensor([[1.0, 3.0]]),
+        value_norm=torch.tensor([[0.5, 0.25]]), score_weight_norm=torch.tensor([2.0, 1.0]),
+        value_weight_norm=torch.tensor([1.0, 4.0]), scale=2.0, kappa=0.5)
+    eps = torch.tensor([0.1], dtype=torch.float64)
+    expected = 2 * 0.1 + (0.5 * 0.1 / 2) * ((1 + 0.2) * (0.5 + 0.1) + (3 + 0.1) * (0.25 + 0.4))
+    assert sens.delta(eps).item() == pytest.approx(expected, rel=1e-12)
+    with pytest.raises(ValueError):
+        sens.delta(torch.ones(2, 3))
+
+
+def test_softmax_jacobian_norm_is_at_most_one_half():
+    # kappa = 1/2 is valid: ||diag(p) - p p^T|| <= 1/2 for every logit vector
+    g = torch.Generator().manual_seed(23)
+    worst = 0.0
+    for size in (2, 3, 5, 17):
+        for scale in (0.01, 1.0, 3.0, 30.0):
+            for _ in range(10):
+                z = torch.randn(size, generator=g, dtype=torch.float64) * scale
+                J = torch.autograd.functional.jacobian(lambda v: torch.softmax(v, dim=0), z)
+                worst = max(worst, torch.linalg.matrix_norm(J, ord=2).item())
+    assert worst <= 0.5 + 1e-12
+    assert worst > 0.45  # the constant is attained in the limit (two equal dominant logits)
+    two = torch.autograd.functional.jacobian(lambda v: torch.softmax(v, dim=0),
+                                             torch.zeros(2, dtype=torch.float64))
+    assert torch.linalg.matrix_norm(two, ord=2).item() == pytest.approx(0.5)
+
+
+def test_guarantee_and_failure_probability():
+    w = make_weights(3, 8, 2, True, seed=24)
+    X = make_tokens(2, 4, 8, 1.0, seed=25)
+    p = LANCZOS.failure_probability
+    full = attention_sensitivity(X, w, method=LANCZOS)
+    assert full.guarantee is Guarantee.PROBABILISTIC
+    assert full.failure_probability == pytest.approx((1 + 3) * p)  # zeta and one m_l per head
+    relaxed = attention_sensitivity(X, w, score_bound="relaxed", method=LANCZOS)
+    assert relaxed.failure_probability == pytest.approx(p)
+    explicit = attention_sensitivity(X, w, first_order="naive", score_bound="relaxed",
+                                     method=LANCZOS)
+    assert explicit.guarantee is Guarantee.DETERMINISTIC and explicit.failure_probability == 0
+    dense = attention_sensitivity(X, w, method=DENSE)
+    assert dense.guarantee is Guarantee.DETERMINISTIC and dense.failure_probability == 0
+    power = attention_sensitivity(X, w, method=SpectralMethod(kind="power"))
+    assert power.guarantee is Guarantee.ESTIMATE and power.failure_probability == 0
+    assert (power.zeta <= dense.zeta).all()
+
+
+def test_deterministic_for_a_seed():
+    w = make_weights(3, 8, 2, False, seed=26)
+    X = make_tokens(2, 40, 8, 1.0, seed=27)  # n d = 320 and n^2 = 1600: Lanczos below full size
+    a, b = (attention_sensitivity(X, w, generator=torch.Generator().manual_seed(5))
+            for _ in range(2))
+    assert torch.equal(a.zeta, b.zeta) and torch.equal(a.score_sensitivity, b.score_sensitivity)
+
+
+def test_validation():
+    w = make_weights(2, 8, 4, True, seed=28)
+    X = make_tokens(2, 3, 8, 1.0, seed=29)
+    bad = X.clone()
+    bad[1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        attention_sensitivity(bad, w)
+    bad[1, 2, 3] = float("inf")
+    with pytest.raises(ValueError, match="NaN"):
+        attention_forward(bad, w)
+    with pytest.raises(ValueError, match="width"):
+        attention_sensitivity(make_tokens(2, 3, 9, 1.0, seed=0), w)
+    with pytest.raises(ValueError):
+        attention_sensitivity(X[0], w)
+    with pytest.raises(ValueError, match="kappa"):
+        attention_sensitivity(X, w, kappa=0.25)
+    with pytest.raises(ValueError):
+        attention_sensitivity(X, w, first_order="exact")
+    with pytest.raises(ValueError):
+        attention_sensitivity(X, w, score_bound="tight")
+    with pytest.raises(ValueError, match="shapes"):
+        AttentionWeights(query=w.query, key=w.key[:, :, :2], value=w.value, output=w.output,
+                         residual=True, scale=2.0)
+    with pytest.raises(ValueError, match="shapes"):
+        AttentionWeights(query=w.query, key=w.key, value=w.value, output=w.output[:, :, :3],
+                         residual=True, scale=2.0)
+    with pytest.raises(ValueError, match="scale"):
+        AttentionWeights(query=w.query, key=w.key, value=w.value, output=w.output,
+                         residual=True, scale=0.0)

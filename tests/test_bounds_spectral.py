@@ -1,0 +1,211 @@
+"""Spectral norms with a guarantee: dense and Lanczos bound the true norm from above, tightly;
+power iteration is an estimate from below and says so."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lofast.bounds import spectral
+from lofast.bounds.spectral import (
+    BREAKDOWN_TOL,
+    ROUNDING_MARGIN,
+    Guarantee,
+    SpectralMethod,
+    kw_failure_bound,
+    lanczos_plan,
+    matrix_norm_upper,
+    operator_norm,
+    weakest_guarantee,
+)
+
+SLACK = SpectralMethod().relative_slack
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """These are many tiny tensor operations: one thread avoids the OpenMP synchronisation that
+    dominates them (and stalls badly when other processes share the two cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def with_singular_values(batch, rows, cols, values, seed):
+    """(batch, rows, cols) matrices U diag(values) V^T with random orthogonal U, V."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros((batch, rows, cols))
+    for b in range(batch):
+        u, _ = np.linalg.qr(rng.standard_normal((rows, len(values))))
+        v, _ = np.linalg.qr(rng.standard_normal((cols, len(values))))
+        out[b] = (u * values) @ v.T
+    return torch.from_numpy(out)
+
+
+def explicit_norm(M, kind, generator=None, **options):
+    """operator_norm of explicit matrices (B, m, k) given as matrix-free maps on (B, k)."""
+    method = SpectralMethod(kind=kind, **options)
+    return operator_norm(lambda x: (M @ x[..., None])[..., 0],
+                         lambda y: (M.mT @ y[..., None])[..., 0],
+                         (M.shape[2],), M.shape[0], method, generator=generator)
+
+
+def exact_norm(M):
+    return torch.from_numpy(np.linalg.norm(M.numpy(), ord=2, axis=(1, 2)))
+
+
+def cases():
+    rng = np.random.default_rng(0)
+    clustered = 1.0 - 1e-7 * np.arange(40)  # many top singular values within 4e-6
+    graded = np.logspace(0, -12, 30)  # condition number 1e12
+    return {
+        "square": torch.from_numpy(rng.standard_normal((3, 40, 40))),
+        "wide": torch.from_numpy(rng.standard_normal((2, 7, 90))),
+        "tall": torch.from_numpy(rng.standard_normal((2, 90, 7))),
+        # smaller side 290 > 276 default steps: the Kuczynski-Wozniakowski path (eps > 0)
+        "large": torch.from_numpy(rng.standard_normal((2, 300, 290))),
+        "ill-conditioned": with_singular_values(2, 60, 50, graded, 1),
+        "clustered": with_singular_values(1, 300, 290, clustered, 2),
+        "rank-deficient": with_singular_values(3, 50, 60, np.array([3.0, 2.0, 0.5]), 3),
+        "scaled": 1e-150 * torch.from_numpy(rng.standard_normal((2, 20, 30))),
+    }
+
+
+CASES = cases()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dense_is_a_tight_upper_bound(name):
+    M = CASES[name]
+    exact = exact_norm(M)
+    dense = explicit_norm(M, "dense")
+    assert dense.dtype == torch.float64 and dense.shape == exact.shape
+    assert (dense >= exact).all()
+    assert (dense <= exact * (1 + ROUNDING_MARGIN + 1e-12)).all()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_lanczos_is_a_tight_upper_bound(name):
+    M = CASES[name]
+    exact = exact_norm(M)
+    g = torch.Generator().manual_seed(1)
+    lanczos = explicit_norm(M, "lanczos", g)
+    assert (lanczos >= exact).all()
+    assert (lanczos <= exact * (1 + SLACK + 1e-12)).all()
+
+
+@pytest.mark.parametrize("name", ["square", "rank-deficient", "large"])
+def test_power_is_an_estimate_from_below(name):
+    M = CASES[name]
+    exact = exact_norm(M)
+    g = torch.Generator().manual_seed(2)
+    power = explicit_norm(M, "power", g, power_iterations=30)
+    assert (power <= exact * (1 + 1e-12)).all()
+    assert (power >= 0.5 * exact).all()
+    assert SpectralMethod(kind="power").guarantee is Guarantee.ESTIMATE
+    assert "NOT" in SpectralMethod(kind="power").describe()
+
+
+def test_matrix_norm_upper_on_batched_explicit_matrices():
+    rng = np.random.default_rng(4)
+    for shape in [(5, 3), (3, 5), (2, 4, 6, 9), (1, 1)]:
+        M = torch.from_numpy(rng.standard_normal(shape))
+        exact = torch.from_numpy(np.asarray(np.linalg.norm(M.numpy(), ord=2, axis=(-2, -1))))
+        upper = matrix_norm_upper(M.float())  # float32 input is promoted to float64
+        assert upper.dtype == torch.float64 and upper.shape == shape[:-2]
+        assert (upper >= exact.to(upper) * (1 - 1e-6)).all()  # exact of the float32 input
+        upper64 = matrix_norm_upper(M)
+        assert (upper64 >= exact).all() and (upper64 <= exact * (1 + 2 * ROUNDING_MARGIN)).all()
+    assert matrix_norm_upper(torch.zeros(3, 4, 4)).eq(0).all()
+    with pytest.raises(ValueError):
+        matrix_norm_upper(torch.ones(3))
+
+
+def test_matrix_norm_upper_svd_route(monkeypatch):
+    # above GRAM_LIMIT the norm comes from the SVD instead of the Gram matrix
+    monkeypatch.setattr(spectral, "GRAM_LIMIT", 10)
+    M = CASES["ill-conditioned"]
+    exact = exact_norm(M)
+    upper = matrix_norm_upper(M)
+    assert (upper >= exact).all() and (upper <= exact * (1 + 2 * ROUNDING_MARGIN)).all()
+
+
+@pytest.mark.parametrize("dim", [1, 2, 25, 276, 277, 289, 640, 2176, 8320, 10**5])
+@pytest.mark.parametrize("p, r", [(1e-9, 1e-3), (1e-3, 1e-2), (1e-12, 1e-4)])
+def test_lanczos_plan_satisfies_the_kw_bound(dim, p, r):
+    method = SpectralMethod(failure_probability=p, relative_slack=r)
+    plan = lanczos_plan(dim, method)
+    assert 1 <= plan.steps <= dim
+    if plan.eps == 0.0:  # full Krylov space: exact in exact arithmetic
+        assert plan.steps == dim
+        return
+    assert kw_failure_bound(dim, plan.steps, plan.eps) <= p
+    assert kw_failure_bound(dim, plan.steps - 1, plan.eps) > p  # and no step wasted
+    # the returned bound sqrt(xi / ((1 - eps)(1 - tol))) (1 + margin) is (1 + r) sqrt(xi)
+    inflation = (1 + ROUNDING_MARGIN) / math.sqrt((1 - plan.eps) * (1 - BREAKDOWN_TOL))
+    assert inflation == pytest.approx(1 + r, rel=1e-13)
+
+
+def test_kw_bound_formula():
+    # 1.648 sqrt(N) exp(-(2k - 1) sqrt(eps)) with k = steps - 1
+    assert kw_failure_bound(100, 11, 0.01) == pytest.approx(1.648 * 10 * math.exp(-1.9))
+
+
+def test_default_step_counts():
+    assert lanczos_plan(640, SpectralMethod()).steps == 276
+    assert lanczos_plan(8320, SpectralMethod()).steps == 290
+
+
+def test_breakdown_is_handled():
+    g = torch.Generator().manual_seed(6)
+    n = 300  # above the default step count (271 here), so the recursion must stop early
+    identity = torch.eye(n, dtype=torch.float64)
+    u, v = torch.randn(2, n, generator=g, dtype=torch.float64)
+    rank_one = 2.5 * torch.outer(u / u.norm(), v / v.norm())
+    random = torch.randn(n, n, generator=g, dtype=torch.float64)
+    M = torch.stack([identity, rank_one, torch.zeros(n, n, dtype=torch.float64), random])
+    exact = exact_norm(M)
+    for kind in ("lanczos", "dense"):
+        result = explicit_norm(M, kind, torch.Generator().manual_seed(7))
+        assert torch.isfinite(result).all()
+        assert (result >= exact).all()
+        assert (result <= exact * (1 + SLACK + 1e-12)).all()
+    assert explicit_norm(M, "power", g)[2] == 0
+
+
+def test_determinism_for_a_seed():
+    M = CASES["large"]
+    runs = [explicit_norm(M, kind, torch.Generator().manual_seed(8))
+            for kind in ("lanczos", "lanczos", "power", "power")]
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[2], runs[3])
+
+
+def test_operator_norm_on_matrix_shaped_inputs():
+    # maps on (B, n, d) -> (B, n, n): G -> G C^T with C (B, n, d); norm = ||C||
+    g = torch.Generator().manual_seed(9)
+    C = torch.randn(3, 4, 6, generator=g, dtype=torch.float64)
+    exact = exact_norm(C)
+    for kind in ("dense", "lanczos"):
+        result = operator_norm(lambda G: G @ C.mT, lambda Y: Y @ C, (4, 6), 3,
+                               SpectralMethod(kind=kind), generator=g)
+        assert (result >= exact).all() and (result <= exact * (1 + SLACK + 1e-12)).all()
+
+
+def test_method_validation_and_descriptions():
+    for bad in ({"kind": "svd"}, {"failure_probability": 0.0}, {"failure_probability": 1.0},
+                {"relative_slack": 0.0}, {"power_iterations": 0}):
+        with pytest.raises(ValueError):
+            SpectralMethod(**bad)
+    assert SpectralMethod().guarantee is Guarantee.PROBABILISTIC
+    assert SpectralMethod(kind="dense").guarantee is Guarantee.DETERMINISTIC
+    line = SpectralMethod().describe(640)
+    assert line.startswith("probabilistic") and "276 steps" in line and "1e-09" in line
+    assert SpectralMethod(kind="dense").describe().startswith("deterministic")
+    assert weakest_guarantee() is Guarantee.DETERMINISTIC
+    assert weakest_guarantee(Guarantee.DETERMINISTIC, Guarantee.PROBABILISTIC) \
+        is Guarantee.PROBABILISTIC
+    assert weakest_guarantee(Guarantee.ESTIMATE, Guarantee.PROBABILISTIC) is Guarantee.ESTIMATE
+    with pytest.raises(ValueError):
+        operator_norm(lambda x: x, lambda y: y, (3,), 1, SpectralMethod(), dtype=torch.float32)
