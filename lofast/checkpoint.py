@@ -31,6 +31,7 @@ def atomic_write(path: Path, write: Any) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a checkpoint is an ordinary shared file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

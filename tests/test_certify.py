@@ -1,0 +1,155 @@
+"""End-to-end soundness of certificates on a small trained model: PGD finds nothing."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from lofast.attack import pgd_l2
+from lofast.bounds.spectral import Guarantee, SpectralMethod
+from lofast.certify import Certifier, CertifySettings
+from lofast.config import preset
+from lofast.errors import CertificationError
+from lofast.models.vit import create_model
+
+EPS = torch.tensor([0.02, 0.05, 0.1, 0.2], dtype=torch.float64)
+
+
+def synthetic_images(n, generator):
+    """Four classes told apart by colour and a stripe: learnable in seconds, with real margins."""
+    labels = torch.randint(0, 4, (n,), generator=generator)
+    base = torch.rand(n, 3, 32, 32, generator=generator) * 0.3 + 0.35
+    colour = torch.eye(3)[labels % 3] * 0.3
+    images = base + colour[:, :, None, None] * (labels[:, None, None, None] < 3)
+    images[labels == 3, :, 12:20, :] += 0.3
+    return images.clamp(0, 1), labels
+
+
+@pytest.fixture(scope="module")
+def trained():
+    torch.manual_seed(0)
+    config = dataclasses.replace(preset("tiny"), num_classes=4, value_cap=0.5, output_cap=0.5)
+    model = create_model(config, seed=0)
+    g = torch.Generator().manual_seed(0)
+    x, y = synthetic_images(512, g)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        idx = torch.randint(0, len(x), (128,), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(x[idx]) * 4, y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    test_x, test_y = synthetic_images(64, torch.Generator().manual_seed(1))
+    return model, test_x, test_y
+
+
+@pytest.fixture(scope="module")
+def certificate(trained):
+    model, x, y = trained
+    return Certifier(model, CertifySettings()).certify(x, y)
+
+
+def test_model_learned_and_some_samples_certify(trained, certificate):
+    _, _, y = trained
+    assert (certificate.predictions == y).float().mean() > 0.9
+    assert certificate.certified(EPS)[:, 0].any()
+    assert certificate.guarantee is Guarantee.PROBABILISTIC
+    assert 0 < certificate.failure_probability <= 1e-7
+
+
+def test_certified_samples_survive_pgd(trained, certificate):
+    """Attack every sample just inside its certified radius: that ball contains the ball of
+    every eps it is certified at, so one strong attack there checks all its verdicts."""
+    model, x, y = trained
+    radius = certificate.radius()
+    inside = radius > 0
+    assert inside.sum() >= 5
+    verdicts = certificate.certified(EPS)
+    assert torch.equal(verdicts.any(dim=1), verdicts.any(dim=1) & inside)
+    model64 = copy.deepcopy(model).double()
+    broken = pgd_l2(model64, x[inside].double(), y[inside], radius[inside] * 0.999,
+                    steps=50, restarts=3)
+    assert not broken.any(), "PGD broke a certified sample"
+    # the attack is real: at 20x the radius it breaks most of them
+    broken = pgd_l2(model64, x[inside].double(), y[inside], radius[inside] * 20, steps=50,
+                    restarts=1)
+    assert broken.float().mean() > 0.5
+
+
+def test_feature_bound_exceeds_pgd_feature_deviation(trained):
+    """The composed radius bounds the pooled-feature change: maximise that change with PGD."""
+    model, x, y = trained
+    certifier = Certifier(model, CertifySettings())
+    x, y = x[:8].double(), y[:8]
+    cert = certifier.certify(x, y)
+    features = torch.nn.Sequential(*certifier.model.stages[:-1])
+    for eps in (0.05, 0.3):
+        bound = cert.feature_radius(torch.tensor([eps], dtype=torch.float64))[:, 0]
+        clean = features(x)
+        best = torch.zeros(len(x), dtype=torch.float64)
+        for restart in range(3):
+            delta = (torch.randn_like(x) * (0.0 if restart == 0 else 1.0) + 1e-4).requires_grad_()
+            opt = torch.optim.Adam([delta], lr=eps / 10)
+            for _ in range(50):
+                d = delta * torch.clamp(eps / delta.flatten(1).norm(dim=1), max=1)[:, None, None, None]
+                dev = (features(x + d) - clean).norm(dim=1)
+                best = torch.maximum(best, dev.detach())
+                opt.zero_grad()
+                (-dev.sum()).backward()
+                opt.step()
+        assert (best <= bound * (1 + 1e-9)).all()
+        assert (best > 0.05 * bound).all()  # the attack really tried
+
+
+def test_verdicts_monotone_and_consistent_with_radius(certificate):
+    verdicts = certificate.certified(EPS)
+    assert (verdicts[:, 1:] <= verdicts[:, :-1]).all()
+    radius = certificate.radius()
+    for k, eps in enumerate(EPS.tolist()):
+        assert torch.equal(verdicts[:, k], radius > eps) or \
+            ((verdicts[:, k] != (radius > eps)) <= ((radius - eps).abs() < 1e-9)).all()
+
+
+def test_probabilistic_and_exact_agree(trained):
+    model, x, y = trained
+    exact = Certifier(model, CertifySettings(method=SpectralMethod(kind="dense"))).certify(x, y)
+    prob = Certifier(model, CertifySettings()).certify(x, y)
+    assert exact.guarantee is Guarantee.DETERMINISTIC and exact.failure_probability == 0
+    a, b = exact.feature_radius(EPS), prob.feature_radius(EPS)
+    assert (b >= a * (1 - 1e-12)).all()
+    assert (b <= a * (1 + 5e-3)).all()
+
+
+def test_estimate_mode_is_labelled(trained):
+    model, x, y = trained
+    cert = Certifier(model, CertifySettings(method=SpectralMethod(kind="power"))).certify(x, y)
+    assert cert.guarantee is Guarantee.ESTIMATE
+
+
+def test_bound_variants_are_ordered(trained):
+    model, x, y = trained
+    radii = {}
+    for bound in ("lofast-tight", "lofast", "naive"):
+        for kappa in (0.5, 1.0):
+            s = CertifySettings(bound=bound, kappa=kappa, method=SpectralMethod(kind="dense"))
+            radii[bound, kappa] = Certifier(model, s).certify(x, y).radius()
+    assert (radii["lofast-tight", 0.5] >= radii["lofast", 0.5] - 1e-9).all()
+    assert (radii["lofast", 0.5] >= radii["naive", 0.5] - 1e-9).all()
+    assert (radii["lofast", 0.5] >= radii["lofast", 1.0] - 1e-9).all()
+    plain = CertifySettings(local_projection=False, method=SpectralMethod(kind="dense"))
+    assert (radii["lofast", 0.5] >= Certifier(model, plain).certify(x, y).radius() - 1e-9).all()
+
+
+def test_bad_inputs(trained):
+    model, x, y = trained
+    certifier = Certifier(model)
+    bad = x[:2].clone()
+    bad[0, 0, 0, 0] = float("nan")
+    with pytest.raises(CertificationError, match="NaN"):
+        certifier.certify(bad, y[:2])
+    with pytest.raises(CertificationError, match=r"\[0, 1\]"):
+        certifier.certify(x[:2] + 2, y[:2])
+    with pytest.raises(CertificationError):
+        CertifySettings(bound="nope")

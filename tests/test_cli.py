@@ -1,0 +1,185 @@
+"""The `lofast` command through click's CliRunner: train, resume, info, certify, bad inputs."""
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from lofast.checkpoint import read_metadata
+from lofast.cli.main import cli
+
+
+def write_image_folder(root, per_class, seed):
+    rng = np.random.default_rng(seed)
+    colours = np.array([[200, 40, 40], [40, 200, 40], [40, 40, 200], [200, 200, 40]])
+    for split, count in (("train", per_class), ("test", per_class // 2)):
+        for c, colour in enumerate(colours):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True)
+            for i in range(count):
+                noise = rng.integers(-40, 40, (32, 32, 3))
+                pixels = np.clip(colour + noise, 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i:03d}.png")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("folder")
+    write_image_folder(root, 24, 0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def checkpoint(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "tiny.safetensors"
+    result = CliRunner().invoke(cli, [
+        "train", "--dataset", "folder", "--data", str(data_dir), "--preset", "tiny",
+        "--epochs", "3", "--batch-size", "16", "--lr", "3e-3", "--temperature", "0.25",
+        "--device", "cpu", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOFAST_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_train_writes_checkpoint_with_metadata(checkpoint):
+    meta = read_metadata(checkpoint)
+    assert meta["dataset"] == "folder" and meta["epochs"] == 3
+    assert meta["model_config"]["num_classes"] == 4
+    assert meta["clean_accuracy"] > 0.5  # colours are easy: well above the 25 % of chance
+    assert len(meta["history"]) == 3
+    assert checkpoint.with_name(checkpoint.name + ".state.pt").is_file()
+
+
+def test_resume_continues_from_saved_state(data_dir, tmp_path):
+    out = tmp_path / "r.safetensors"
+    args = ["train", "--dataset", "folder", "--data", str(data_dir), "--preset", "tiny",
+            "--batch-size", "16", "--device", "cpu", "--out", str(out)]
+    runner = CliRunner()
+    assert runner.invoke(cli, args + ["--epochs", "2"]).exit_code == 0
+    # an interrupted 2-epoch run: the state says 2 epochs of a 2-epoch plan; a 3-epoch plan
+    # is a different run and must be refused rather than silently mixed
+    result = runner.invoke(cli, args + ["--epochs", "3", "--resume"])
+    assert result.exit_code == 1 and "differ" in result.output
+    state = out.with_name(out.name + ".state.pt")
+    full = runner.invoke(cli, args + ["--epochs", "2", "--resume"])
+    assert full.exit_code == 0, full.output
+    assert "epoch 1/2" not in full.output  # nothing was redone
+    assert read_metadata(out)["epochs"] == 2 and state.is_file()
+
+
+def test_resume_after_interrupt_matches_uninterrupted_run(data_dir, tmp_path, monkeypatch):
+    import lofast.train as train_module
+
+    args = ["train", "--dataset", "folder", "--data", str(data_dir), "--preset", "tiny",
+            "--batch-size", "16", "--device", "cpu", "--epochs", "2", "--no-augment"]
+    runner = CliRunner()
+    straight = tmp_path / "a.safetensors"
+    assert runner.invoke(cli, args + ["--out", str(straight)]).exit_code == 0
+
+    original = train_module.save_training_state
+    calls = {"n": 0}
+
+    def save_then_interrupt(*a, **k):
+        original(*a, **k)
+        calls["n"] += 1
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "save_training_state", save_then_interrupt)
+    resumed = tmp_path / "b.safetensors"
+    result = runner.invoke(cli, args + ["--out", str(resumed)])
+    assert result.exit_code == 130 and calls["n"] == 1 and not resumed.exists()
+    monkeypatch.setattr(train_module, "save_training_state", original)
+    result = runner.invoke(cli, args + ["--out", str(resumed), "--resume"])
+    assert result.exit_code == 0, result.output
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(straight)), load_file(str(resumed))
+    assert all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
+
+
+def test_info(checkpoint):
+    result = CliRunner().invoke(cli, ["info", str(checkpoint)])
+    assert result.exit_code == 0, result.output
+    assert "Attention" in result.output and "local (LoFAST)" in result.output
+    assert "SLL" in result.output
+
+
+def test_certify_summary_jsonl_and_resume(checkpoint, data_dir, tmp_path):
+    out = tmp_path / "r.jsonl"
+    base = ["certify", "--checkpoint", str(checkpoint), "--data", str(data_dir),
+            "--eps", "0.02", "--eps", "0.1", "--device", "cpu"]
+    runner = CliRunner()
+    result = runner.invoke(cli, base + ["--n", "10", "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert summary["samples"] == len(records) == 10
+    for key in ("0.02", "0.1"):
+        share = sum(r["verdicts"][key] for r in records) / 10
+        assert summary["certified_accuracy"][key] == pytest.approx(share)
+    assert summary["clean_accuracy"] == pytest.approx(
+        sum(r["label"] == r["prediction"] for r in records) / 10)
+    assert "probabilistic" in summary["guarantee"]
+    # resume to 16 samples: the first 10 are kept, 6 are added
+    result = runner.invoke(cli, base + ["--n", "16", "--out", str(out), "--resume", "--json"])
+    assert result.exit_code == 0, result.output
+    lines = out.read_text().splitlines()
+    assert len(lines) == 16 and [json.loads(x) for x in lines[:10]] == records
+    assert json.loads(result.stdout)["samples"] == 16
+
+
+def test_certify_table_output(checkpoint, data_dir):
+    result = CliRunner().invoke(cli, ["certify", "--checkpoint", str(checkpoint), "--data",
+                                      str(data_dir), "--eps", "0.05", "--n", "8",
+                                      "--guarantee", "estimate"])
+    assert result.exit_code == 0, result.output
+    assert "certified accuracy @ eps=0.05" in result.output
+    assert "NOT a certificate" in result.output or "estimate" in result.output
+
+
+@pytest.mark.parametrize("eps", ["0", "-0.1", "abc", "nan"])
+def test_certify_rejects_bad_eps(checkpoint, data_dir, eps):
+    result = CliRunner().invoke(cli, ["certify", "--checkpoint", str(checkpoint), "--data",
+                                      str(data_dir), "--eps", eps])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "--eps" in result.output
+
+
+def test_certify_bad_files(checkpoint, data_dir, tmp_path):
+    runner = CliRunner()
+    missing = runner.invoke(cli, ["certify", "--checkpoint", str(tmp_path / "no.safetensors"),
+                                  "--data", str(data_dir), "--eps", "0.1"])
+    assert missing.exit_code == 1 and "not found" in missing.output
+    corrupt = tmp_path / "c.safetensors"
+    corrupt.write_bytes(checkpoint.read_bytes()[:100])
+    result = runner.invoke(cli, ["certify", "--checkpoint", str(corrupt), "--data",
+                                 str(data_dir), "--eps", "0.1"])
+    assert result.exit_code == 1 and "error" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_certify_wrong_image_shape(checkpoint, tmp_path):
+    root = tmp_path / "small"
+    for split in ("train", "test"):
+        folder = root / split / "a"
+        folder.mkdir(parents=True)
+        Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(folder / "0.png")
+    result = CliRunner().invoke(cli, ["certify", "--checkpoint", str(checkpoint), "--data",
+                                      str(root), "--eps", "0.1"])
+    assert result.exit_code == 1 and "shape" in result.output
+
+
+def test_train_bad_inputs(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(cli, ["train", "--data", str(tmp_path / "none"), "--out",
+                                 str(tmp_path / "o.safetensors")])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    result = runner.invoke(cli, ["train", "--data", str(tmp_path), "--device", "cuda",
+                                 "--out", str(tmp_path / "o.safetensors")])
+    assert result.exit_code == 1 and ("GPU" in result.output or "error" in result.output)
