@@ -29,12 +29,12 @@ def synthetic_images(n, generator):
 @pytest.fixture(scope="module")
 def trained():
     torch.manual_seed(0)
-    config = dataclasses.replace(preset("tiny"), num_classes=4, value_cap=0.5, output_cap=0.5)
+    config = dataclasses.replace(preset("tiny"), patch_size=16, num_classes=4)
     model = create_model(config, seed=0)
     g = torch.Generator().manual_seed(0)
     x, y = synthetic_images(512, g)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(150):
+    for _ in range(100):
         idx = torch.randint(0, len(x), (128,), generator=g)
         loss = torch.nn.functional.cross_entropy(model(x[idx]) * 4, y[idx])
         opt.zero_grad()
@@ -87,7 +87,8 @@ def test_feature_bound_exceeds_pgd_feature_deviation(trained):
     features = torch.nn.Sequential(*certifier.model.stages[:-1])
     for eps in (0.05, 0.3):
         bound = cert.feature_radius(torch.tensor([eps], dtype=torch.float64))[:, 0]
-        clean = features(x)
+        with torch.no_grad():
+            clean = features(x)
         best = torch.zeros(len(x), dtype=torch.float64)
         for restart in range(3):
             delta = (torch.randn_like(x) * (0.0 if restart == 0 else 1.0) + 1e-4).requires_grad_()
