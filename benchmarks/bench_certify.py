@@ -48,12 +48,11 @@ def split_costs(certifier: Certifier, x: torch.Tensor, y: torch.Tensor) -> dict[
     for i, spec in enumerate(certifier.structure):
         if isinstance(spec, AttentionSpec):
             w = certifier.attention[i]
-            _, t_full = timed(lambda: attention_sensitivity(
-                acts[i], w, method=certifier.settings.method, generator=certifier.generator),
-                device)
+            _, t_full = timed(lambda a=acts[i], w=w: attention_sensitivity(
+                a, w, method=certifier.settings.method, generator=certifier.generator), device)
             # the naive first-order term needs no matrix-free norm: what remains is delta_2
-            _, t_cheap = timed(lambda: attention_sensitivity(acts[i], w, first_order="naive"),
-                               device)
+            _, t_cheap = timed(lambda a=acts[i], w=w: attention_sensitivity(
+                a, w, first_order="naive"), device)
             full += t_full
             cheap += t_cheap
     cert, total = timed(lambda: certifier.certify(x, y), device)
@@ -91,7 +90,7 @@ def main() -> None:
             f"{k.removesuffix('_ms_per_sample')} {v:.2f}" for k, v in row.items()
             if k != "batch_size") + " (ms/sample)", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+                            text=True, check=False).stdout.strip()
     report = {"device": str(device), "cuda": torch.cuda.get_device_name(device)
               if device.type == "cuda" else platform.processor() or platform.machine(),
               "threads": torch.get_num_threads(), "guarantee": args.guarantee,

@@ -57,22 +57,21 @@ class RecordWriter:
         elif path.exists() and not resume:
             raise LofastError(f"{path} exists; pass --resume to continue it or choose another --out")
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.handle = open(path, "a", encoding="utf-8")
+        # kept open across batches so that each batch is appended and flushed as it finishes
+        self.handle = open(path, "a", encoding="utf-8")  # noqa: SIM115
 
     def _rewrite_clean(self) -> None:
         """Drop a torn last line left by an interrupt before appending to the file."""
         assert self.path is not None
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
-            for record in self.done.values():
-                f.write(record.to_json() + "\n")
+            f.writelines(record.to_json() + "\n" for record in self.done.values())
         os.replace(tmp, self.path)
 
     def write(self, records: Iterable[SampleRecord]) -> None:
         if self.handle is None:
             return
-        for record in records:
-            self.handle.write(record.to_json() + "\n")
+        self.handle.writelines(record.to_json() + "\n" for record in records)
         self.handle.flush()
         os.fsync(self.handle.fileno())
 

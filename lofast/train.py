@@ -208,5 +208,5 @@ def load_training_state(path: Path) -> dict:
     """Read a state file written by save_training_state (tensors and plain data only)."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for corrupt files
+    except Exception as e:  # noqa: BLE001 - torch.load raises many types for corrupt files
         raise LofastError(f"{path}: unreadable training state ({type(e).__name__})") from None

@@ -183,3 +183,13 @@ def test_train_bad_inputs(tmp_path):
     result = runner.invoke(cli, ["train", "--data", str(tmp_path), "--device", "cuda",
                                  "--out", str(tmp_path / "o.safetensors")])
     assert result.exit_code == 1 and ("GPU" in result.output or "error" in result.output)
+
+
+def test_fallback_without_auto_lirpa_is_one_clear_line(checkpoint, data_dir, monkeypatch):
+    import lofast.crown
+
+    monkeypatch.setattr(lofast.crown, "crown_available", lambda: False)
+    result = CliRunner().invoke(cli, ["certify", "--checkpoint", str(checkpoint), "--data",
+                                      str(data_dir), "--eps", "0.1", "--fallback", "crown"])
+    assert result.exit_code == 1 and "auto_LiRPA" in result.output
+    assert "pip install" in result.output and "Traceback" not in result.output

@@ -55,17 +55,29 @@ class PositiveFloat(click.ParamType):
               help="exact: dense float64 norms (deterministic); probabilistic: randomized "
                    "Lanczos, each norm an upper bound with probability >= 1 - 1e-9; estimate: "
                    "power iteration, NOT a certificate.")
+@click.option("--fallback", type=click.Choice(["none", "crown", "alpha-crown"]), default="none",
+              show_default=True,
+              help="Run (alpha-)CROWN from auto_LiRPA on the samples LoFAST leaves uncertified.")
+@click.option("--fallback-timeout", type=PositiveFloat(), default=None,
+              help="Seconds the fallback may spend on one sample.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Write one JSON record per sample (JSONL) as the run goes.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from --out.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size, device,
-            bound, kappa, guarantee, seed, out, resume, as_json) -> None:
+            bound, kappa, guarantee, fallback, fallback_timeout, seed, out, resume,
+            as_json) -> None:
     """Certify l2 robustness of every sample with the LoFAST bound."""
     import torch
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-    from rich.progress import TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from lofast.bounds.spectral import SpectralMethod
     from lofast.certify import Certifier, CertifySettings
@@ -79,6 +91,12 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
     if resume and out is None:
         raise LofastError("--resume needs --out, the file to continue")
     dev = resolve_device(device)
+    if fallback != "none":
+        from lofast.crown import INSTALL_HINT, crown_available
+
+        if not crown_available():
+            raise LofastError(f"--fallback {fallback} needs auto_LiRPA; install it with: "
+                              f"{INSTALL_HINT}")
     checkpoint = checkpoint or default_checkpoint_path()
     model = load_checkpoint(checkpoint)
     meta = read_metadata(checkpoint)
@@ -129,6 +147,8 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
                                    for k, e in enumerate(eps)},
                         seconds=per_sample)
                     for b, i in enumerate(index)]
+                if fallback != "none":
+                    run_fallback(model, x, batch_records, eps, fallback, fallback_timeout)
                 writer.write(batch_records)
                 records.extend(batch_records)
                 progress.update(task, advance=len(index),
@@ -144,3 +164,38 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
         click.echo(json.dumps(summary.to_dict(), indent=2))
     else:
         stdout.print(summary_table(summary))
+
+
+def run_fallback(model, images, records, eps, method, timeout) -> None:
+    """Try (alpha-)CROWN at each eps, smallest first, on the correctly classified samples that
+    LoFAST left uncertified there; a sample the fallback fails at one eps is not tried at larger
+    ones (reported with that reason). Updates the records in place."""
+    import torch
+
+    from lofast.crown import crown_verify
+    from lofast.report import eps_key
+
+    failed: dict[int, str] = {}
+    for e in eps:
+        key = eps_key(e)
+        todo = [b for b, r in enumerate(records)
+                if not r.verdicts[key] and r.prediction == r.label and b not in failed]
+        for b, r in enumerate(records):
+            if not r.verdicts[key]:
+                r.reasons[key] = ("misclassified" if r.prediction != r.label
+                                  else failed.get(b, "LoFAST bound too loose"))
+        if not todo:
+            continue
+        labels = torch.tensor([records[b].label for b in todo])
+        results = crown_verify(model, images[todo], labels, e, method=method, timeout=timeout)
+        for b, result in zip(todo, results):
+            record = records[b]
+            record.fallback_seconds[key] = result.seconds
+            record.seconds += result.seconds
+            if result.certified:
+                record.verdicts[key] = True
+                record.verifiers[key] = method
+                record.reasons.pop(key, None)
+            else:
+                failed[b] = f"{method}: {result.reason or 'not certified'} at eps={key}"
+                record.reasons[key] = failed[b]
