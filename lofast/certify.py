@@ -23,7 +23,12 @@ from lofast.bounds.compose import (
     head_certified,
     propagate,
 )
-from lofast.bounds.spectral import Guarantee, SpectralMethod, matrix_norm_upper
+from lofast.bounds.spectral import (
+    Guarantee,
+    SpectralMethod,
+    matrix_norm_upper,
+    weakest_guarantee,
+)
 from lofast.errors import CertificationError
 from lofast.models.structure import (
     AttentionSpec,
@@ -164,7 +169,7 @@ class Certifier:
                     score_bound=score_bound, method=self.settings.method,
                     generator=self.generator)
                 steps.append(sens)
-                guarantee = weakest(guarantee, sens.guarantee)
+                guarantee = weakest_guarantee(guarantee, sens.guarantee)
                 failure += sens.failure_probability
             elif isinstance(spec, ProjectSpec) and self.settings.local_projection:
                 # float64 norms are exact to ~1e-16 relative; shave a little to stay below them
@@ -185,7 +190,3 @@ class Certifier:
                                 failure_probability=failure,
                                 seconds=time.perf_counter() - started)
 
-
-def weakest(a: Guarantee, b: Guarantee) -> Guarantee:
-    order = [Guarantee.DETERMINISTIC, Guarantee.PROBABILISTIC, Guarantee.ESTIMATE]
-    return max(a, b, key=order.index)
