@@ -444,9 +444,11 @@ def margin_spec(labels: Tensor, num_classes: int, dtype: torch.dtype) -> Tensor:
 
 def _describe(error: Exception) -> str:
     """A one-line reason for a failed bound computation."""
-    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    full = str(error).strip()
+    message = full.splitlines()[0] if full else ""
+    # The allocator's words can sit deep in the message (TorchScript wraps errors, for one).
     if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)) or any(
-        text in message for text in ("out of memory", "can't allocate memory")
+        text in full for text in ("out of memory", "can't allocate memory")
     ):
         return "out of memory"
     if isinstance(error, NotImplementedError):
