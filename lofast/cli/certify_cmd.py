@@ -42,7 +42,9 @@ class PositiveFloat(click.ParamType):
 @click.option("--n", "limit", type=click.IntRange(min=1), default=None,
               help="Certify the first N samples of the class-balanced order (i-th image of "
                    "every class in turn).")
-@click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Samples certified together (default: 16 on CPU, where larger batches ran "
+                   "slower per sample in benchmarks/bench_certify.py, 256 on GPU).")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--bound", type=click.Choice(["lofast", "lofast-tight", "naive"]),
               default="lofast", show_default=True,
@@ -91,6 +93,7 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
     if resume and out is None:
         raise LofastError("--resume needs --out, the file to continue")
     dev = resolve_device(device)
+    batch_size = batch_size or (256 if dev.type == "cuda" else 16)
     if fallback != "none":
         from lofast.crown import INSTALL_HINT, crown_available
 
