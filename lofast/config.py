@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from lofast.errors import LofastError
@@ -99,17 +99,26 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_epochs: float = 1.0
     schedule: str = "cosine"  # "cosine" or "constant" (after warm-up)
-    loss: str = "ce"  # "ce" or "margin" (Lipschitz margin, Tsuzuku et al. 2018)
+    loss: str = "ce"  # "ce", "margin" (Lipschitz margin, Tsuzuku et al. 2018) or "certified"
     margin: float = 0.0  # margin in head-feature units; logit j != y is raised by margin*||w_y - w_j||
     temperature: float = 1.0  # logits are divided by this before cross-entropy
+    train_eps: float = 0.0  # certified: image radius whose LoFAST bound raises the logits
+    eps_ramp_epochs: float = 0.0  # certified: train_eps grows linearly from 0 over these epochs
+    clean_mix: float = 0.0  # certified: weight of the clean cross-entropy in the loss
+    power_iterations: int = 2  # certified: power steps per batch for zeta (warm-started)
     augment: bool = True  # random crop (pad 4) and horizontal flip
     seed: int = 0
     amp: bool = True  # bfloat16 autocast on CUDA only
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.loss not in ("ce", "margin"):
-            raise LofastError(f"loss must be 'ce' or 'margin', not {self.loss!r}")
+        if self.loss not in ("ce", "margin", "certified"):
+            raise LofastError(f"loss must be 'ce', 'margin' or 'certified', not {self.loss!r}")
+        if self.loss == "certified" and not self.train_eps > 0:
+            raise LofastError("--loss certified needs a positive --train-eps")
+        if not 0.0 <= self.clean_mix <= 1.0:
+            raise LofastError("clean mix must lie in [0, 1]")
+        if self.eps_ramp_epochs < 0 or self.power_iterations < 1:
+            raise LofastError("the eps ramp must be >= 0 epochs and power iterations >= 1")
         if self.schedule not in ("cosine", "constant"):
             raise LofastError(f"schedule must be 'cosine' or 'constant', not {self.schedule!r}")
         if self.epochs < 1 or self.batch_size < 1:

@@ -17,6 +17,7 @@ from lofast.checkpoint import atomic_write
 from lofast.config import TrainConfig
 from lofast.errors import LofastError
 from lofast.models.vit import LipschitzViT
+from lofast.training_bound import TrainingBound
 
 
 def resolve_device(name: str) -> torch.device:
@@ -38,14 +39,29 @@ def head_pair_norms(model: LipschitzViT, labels: Tensor) -> Tensor:
     return torch.linalg.vector_norm(weight[labels][:, None, :] - weight[None], dim=-1)
 
 
-def training_loss(model: LipschitzViT, logits: Tensor, labels: Tensor,
-                  config: TrainConfig) -> Tensor:
-    """Cross-entropy, or the Lipschitz-margin variant: non-true logits raised by
-    margin * ||w_y - w_j||, the amount the head certificate needs for a feature-space radius
-    equal to `margin`."""
-    if config.loss == "margin" and config.margin > 0:
-        logits = logits + config.margin * head_pair_norms(model, labels)
-    return F.cross_entropy(logits / config.temperature, labels)
+def training_loss(model: LipschitzViT, logits: Tensor, labels: Tensor, config: TrainConfig,
+                  feature_radius: Tensor | None = None) -> Tensor:
+    """Cross-entropy on logits whose non-true entries j are raised by r * ||w_y - w_j||, the
+    amount the head certificate subtracts for a pooled-feature radius r: r = margin for the
+    Lipschitz-margin loss, r = the per-sample LoFAST training bound (B,) for the certified loss
+    (mixed with clean cross-entropy by clean_mix)."""
+    offset = {"ce": None, "margin": config.margin if config.margin > 0 else None,
+              "certified": None if feature_radius is None else feature_radius[:, None]}[config.loss]
+    if offset is None:
+        return F.cross_entropy(logits / config.temperature, labels)
+    raised = logits + offset * head_pair_norms(model, labels)
+    loss = F.cross_entropy(raised / config.temperature, labels)
+    if config.loss == "certified" and config.clean_mix > 0:
+        clean = F.cross_entropy(logits / config.temperature, labels)
+        loss = (1.0 - config.clean_mix) * loss + config.clean_mix * clean
+    return loss
+
+
+def scheduled_eps(config: TrainConfig, progress: float) -> float:
+    """Training radius after `progress` epochs: linear ramp from 0 to train_eps."""
+    if config.eps_ramp_epochs <= 0:
+        return config.train_eps
+    return config.train_eps * min(1.0, progress / config.eps_ramp_epochs)
 
 
 def augment(images: Tensor, generator: torch.Generator) -> Tensor:
@@ -134,6 +150,7 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
     generator = torch.Generator().manual_seed(config.seed)
     history: list[EpochStats] = []
     start_epoch = 0
+    state = None
     if resume and state_path is not None and state_path.is_file():
         state = load_training_state(state_path)
         if state["train_config"] != asdict(config):
@@ -145,8 +162,14 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
         generator.set_state(state["generator"])
         start_epoch = state["epoch"]
         history = [EpochStats(**h) for h in state["history"]]
+    bound = TrainingBound(config.power_iterations, generator=generator) \
+        if config.loss == "certified" else None
+    if bound is not None and state is not None:
+        bound.load_state(state.get("bound", {}), device)
     use_amp = config.amp and device.type == "cuda"
-    labels_all = torch.as_tensor(train_labels)
+    # the whole uint8 training set lives on the device; batches are gathered there
+    images_all = torch.as_tensor(train_images).to(device)
+    labels_all = torch.as_tensor(train_labels).to(device)
     for epoch in range(start_epoch, config.epochs):
         model.train()
         started = time.perf_counter()
@@ -154,13 +177,19 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
         loss_sum, correct, seen = 0.0, 0, 0
         for step in range(steps_per_epoch):
             index = order[step * config.batch_size:(step + 1) * config.batch_size]
-            x = to_float(train_images[index.numpy()], device)
-            y = labels_all[index].to(device)
+            index = index.to(device)
+            x = images_all[index].permute(0, 3, 1, 2).float().div_(255.0)
+            y = labels_all[index]
             if config.augment:
                 x = augment(x, generator)
+            radius = None
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-                logits = model(x)
-            loss = training_loss(model, logits.float(), y, config)
+                if bound is not None:
+                    eps = scheduled_eps(config, epoch + step / steps_per_epoch)
+                    logits, radius = bound(model, x, eps)
+                else:
+                    logits = model(x)
+            loss = training_loss(model, logits.float(), y, config, radius)
             if not torch.isfinite(loss):
                 raise LofastError(f"training diverged at epoch {epoch + 1} (loss {loss.item()}); "
                                   "lower the learning rate")
@@ -181,7 +210,7 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
         history.append(stats)
         if state_path is not None:
             save_training_state(state_path, model, optimizer, scheduler, generator, epoch + 1,
-                                config, history)
+                                config, history, bound)
         if on_epoch is not None:
             on_epoch(stats)
     model.eval()
@@ -191,8 +220,9 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
 def save_training_state(path: Path, model: LipschitzViT, optimizer: torch.optim.Optimizer,
                         scheduler: torch.optim.lr_scheduler.LRScheduler,
                         generator: torch.Generator, epoch: int, config: TrainConfig,
-                        history: list[EpochStats]) -> None:
+                        history: list[EpochStats], bound: TrainingBound | None = None) -> None:
     state = {
+        "bound": bound.state() if bound is not None else {},
         "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),

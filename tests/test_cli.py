@@ -73,11 +73,13 @@ def test_resume_continues_from_saved_state(data_dir, tmp_path):
     assert read_metadata(out)["epochs"] == 2 and state.is_file()
 
 
-def test_resume_after_interrupt_matches_uninterrupted_run(data_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("loss", [[], ["--loss", "certified", "--train-eps", "0.1",
+                                       "--eps-ramp-epochs", "1"]])
+def test_resume_after_interrupt_matches_uninterrupted_run(data_dir, tmp_path, monkeypatch, loss):
     import lofast.train as train_module
 
     args = ["train", "--dataset", "folder", "--data", str(data_dir), "--preset", "tiny",
-            "--batch-size", "16", "--device", "cpu", "--epochs", "2", "--no-augment"]
+            "--batch-size", "16", "--device", "cpu", "--epochs", "2", "--no-augment", *loss]
     runner = CliRunner()
     straight = tmp_path / "a.safetensors"
     assert runner.invoke(cli, args + ["--out", str(straight)]).exit_code == 0
@@ -101,6 +103,33 @@ def test_resume_after_interrupt_matches_uninterrupted_run(data_dir, tmp_path, mo
 
     a, b = load_file(str(straight)), load_file(str(resumed))
     assert all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
+
+
+def test_certified_training_short_run(data_dir, tmp_path):
+    out = tmp_path / "cert.safetensors"
+    result = CliRunner().invoke(cli, [
+        "train", "--dataset", "folder", "--data", str(data_dir), "--preset", "tiny",
+        "--epochs", "2", "--batch-size", "16", "--lr", "3e-3", "--loss", "certified",
+        "--train-eps", "0.05", "--eps-ramp-epochs", "1", "--clean-mix", "0.2",
+        "--temperature", "0.25", "--device", "cpu", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    meta = read_metadata(out)
+    assert meta["train_options"]["loss"] == "certified"
+    assert meta["train_options"]["train_eps"] == 0.05
+    assert meta["clean_accuracy"] > 0.5  # still learns the easy colours
+    certified = CliRunner().invoke(cli, [
+        "certify", "--checkpoint", str(out), "--data", str(data_dir), "--dataset", "folder",
+        "--eps", "0.05", "--json"])
+    assert certified.exit_code == 0, certified.output
+    assert json.loads(certified.stdout)["samples"] == 48
+
+
+def test_certified_training_needs_a_radius(data_dir, tmp_path):
+    result = CliRunner().invoke(cli, [
+        "train", "--dataset", "folder", "--data", str(data_dir), "--preset", "tiny",
+        "--loss", "certified", "--device", "cpu", "--out", str(tmp_path / "x.safetensors")])
+    assert result.exit_code == 1
+    assert "--train-eps" in result.output and "Traceback" not in result.output
 
 
 def test_info(checkpoint):

@@ -48,11 +48,23 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
 @click.option("--warmup-epochs", type=float, default=1.0, show_default=True)
 @click.option("--schedule", type=click.Choice(["cosine", "constant"]), default="cosine",
               show_default=True)
-@click.option("--loss", type=click.Choice(["ce", "margin"]), default="ce", show_default=True,
-              help="margin: Lipschitz-margin cross-entropy (trades clean accuracy for "
-                   "certifiable margin).")
+@click.option("--loss", type=click.Choice(["ce", "margin", "certified"]), default="ce",
+              show_default=True,
+              help="margin: Lipschitz-margin cross-entropy (a fixed feature-space margin). "
+                   "certified: cross-entropy on logits worsened by the LoFAST bound at "
+                   "--train-eps for every sample. The training bound is an estimate (power "
+                   "iteration from below) that only guides learning; certify the result with "
+                   "`lofast certify`, whose bounds are sound.")
 @click.option("--margin", type=float, default=0.0, show_default=True,
               help="Feature-space margin for --loss margin.")
+@click.option("--train-eps", type=float, default=0.0, show_default=True,
+              help="Image-space l2 radius for --loss certified.")
+@click.option("--eps-ramp-epochs", type=float, default=0.0, show_default=True,
+              help="--loss certified: grow the radius linearly from 0 over these epochs.")
+@click.option("--clean-mix", type=float, default=0.0, show_default=True,
+              help="--loss certified: weight of clean cross-entropy in the loss (0 to 1).")
+@click.option("--power-iterations", type=click.IntRange(min=1), default=2, show_default=True,
+              help="--loss certified: power steps per batch for zeta (warm-started).")
 @click.option("--temperature", type=float, default=1.0, show_default=True)
 @click.option("--augment/--no-augment", default=True, show_default=True,
               help="Random crop and horizontal flip.")
@@ -67,8 +79,9 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
 @click.option("--resume", is_flag=True,
               help="Continue from OUT.state.pt if an earlier run was interrupted.")
 def train(dataset, data_path, download, preset, model_options, epochs, batch_size, lr,
-          weight_decay, warmup_epochs, schedule, loss, margin, temperature, augment, seed,
-          device, amp, limit, out, resume) -> None:
+          weight_decay, warmup_epochs, schedule, loss, margin, train_eps, eps_ramp_epochs,
+          clean_mix, power_iterations, temperature, augment, seed, device, amp, limit, out,
+          resume) -> None:
     """Train a Lipschitz ViT on a data set and save it as a checkpoint."""
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -85,8 +98,9 @@ def train(dataset, data_path, download, preset, model_options, epochs, batch_siz
     dev = resolve_device(device)
     config = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
                          warmup_epochs=warmup_epochs, schedule=schedule, loss=loss,
-                         margin=margin, temperature=temperature, augment=augment, seed=seed,
-                         amp=amp)
+                         margin=margin, train_eps=train_eps, eps_ramp_epochs=eps_ramp_epochs,
+                         clean_mix=clean_mix, power_iterations=power_iterations,
+                         temperature=temperature, augment=augment, seed=seed, amp=amp)
     train_set = load_dataset(data_path, "train", dataset, download=download)
     test_set = load_dataset(data_path, "test", dataset)
     height, _, channels = train_set.images.shape[1:]

@@ -35,7 +35,7 @@ def spectral_cap(weight: Tensor, cap: float | None) -> Tensor:
 
 
 def _frozen(t: Tensor) -> Tensor:
-    return t.detach().to(torch.float64).clone()
+    return t.detach().to(torch.float64).clone(memory_format=torch.contiguous_format)
 
 
 class PatchEmbed(nn.Module):
@@ -109,8 +109,11 @@ class Attention(nn.Module):
             w = torch.empty(width, width)
             nn.init.orthogonal_(w)
             self.weights[name] = nn.Parameter(w)
+        self.reuse: dict[str, Tensor] | None = None  # see LipschitzViT.reusing_effective_weights
 
     def effective_weights(self) -> dict[str, Tensor]:
+        if self.reuse is not None:
+            return self.reuse
         return {name: spectral_cap(self.weights[name], cap) for name, cap in self.caps.items()}
 
     def _split_heads(self, x: Tensor) -> Tensor:
@@ -126,21 +129,21 @@ class Attention(nn.Module):
         mixed = (probs @ v).transpose(1, 2).reshape(x.shape)
         return x + mixed @ w["output"]
 
-    def spec(self) -> AttentionSpec:
-        w = {name: _frozen(t) for name, t in self.effective_weights().items()}
+    def head_weights(self) -> dict[str, Tensor]:
+        """Per-head effective weights, differentiable: query, key, value (h, d, dh) and
+        output (h, dh, d)."""
+        w = self.effective_weights()
         d, h, dh = w["query"].shape[0], self.heads, self.head_dim
 
         def per_head_columns(m: Tensor) -> Tensor:  # (d, d) -> (h, d, dh)
-            return m.reshape(d, h, dh).permute(1, 0, 2).contiguous()
+            return m.reshape(d, h, dh).permute(1, 0, 2)
 
-        return AttentionSpec(
-            query=per_head_columns(w["query"]),
-            key=per_head_columns(w["key"]),
-            value=per_head_columns(w["value"]),
-            output=w["output"].reshape(h, dh, d).contiguous(),
-            residual=True,
-            scale=self.scale,
-        )
+        return {"query": per_head_columns(w["query"]), "key": per_head_columns(w["key"]),
+                "value": per_head_columns(w["value"]), "output": w["output"].reshape(h, dh, d)}
+
+    def spec(self) -> AttentionSpec:
+        w = {name: _frozen(t) for name, t in self.head_weights().items()}
+        return AttentionSpec(**w, residual=True, scale=self.scale)
 
 
 class SLL(nn.Module):

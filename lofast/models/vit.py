@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor, nn
 
@@ -51,6 +54,20 @@ class LipschitzViT(nn.Module):
             activations.append(x)
             x = stage(x)
         return x, activations
+
+    @contextlib.contextmanager
+    def reusing_effective_weights(self) -> Iterator[None]:
+        """Within the block, attention stages compute their capped weights (an SVD each) once
+        and reuse them, for a training step that evaluates them twice (forward pass and
+        training bound). The weights must not change inside the block."""
+        attention = [s for s in self.stages if isinstance(s, Attention)]
+        for stage in attention:
+            stage.reuse = stage.effective_weights()
+        try:
+            yield
+        finally:
+            for stage in attention:
+                stage.reuse = None
 
     @torch.no_grad()
     def structure(self) -> list[StageSpec]:

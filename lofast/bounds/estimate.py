@@ -1,0 +1,97 @@
+"""Differentiable estimates of the LoFAST quantities, for training only.
+
+Certified training needs the bound of ``attention.attention_sensitivity`` with gradients, on
+every training batch, in the working precision. Its one matrix-free norm, zeta(X) = ||T_X||, is
+estimated by a few power-iteration steps started from the previous batch's vectors: power
+iteration approaches ||T_X|| from below, so these values are ESTIMATES that guide learning and
+never certificates (the certificate is always recomputed by ``lofast certify``). The gradient
+is taken through the final vectors held fixed, d||T v|| = u^T dT v with u = T v / ||T v||, which
+is the exact gradient of the top singular value once v has converged.
+
+Every explicit norm is the square root of the top eigenvalue of the smaller Gram matrix, whose
+gradient V diag(g) V^T needs no eigenvalue gaps (unlike the full SVD's).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lofast.bounds.attention import (
+    TIGHT_KAPPA,
+    AttentionSensitivity,
+    AttentionWeights,
+    _mix,
+    _probabilities,
+)
+from lofast.bounds.spectral import Guarantee
+
+# Floor under squared norms before the square root (whose gradient is unbounded at 0).
+SQUARED_NORM_FLOOR = 1e-12
+
+
+def top_singular_value(M: Tensor) -> Tensor:
+    """||M|| for matrices (..., m, k) in M's dtype, differentiable. Returns (...)."""
+    gram = M @ M.mT if M.shape[-2] <= M.shape[-1] else M.mT @ M
+    top = torch.linalg.eigvalsh(gram)[..., -1]
+    return top.clamp_min(SQUARED_NORM_FLOOR).sqrt()
+
+
+def product_norm(left: Tensor, right: Tensor) -> Tensor:
+    """||L R|| for thin factors L (..., d, k), R (..., k, d) with k <= d, differentiable.
+
+    With L = Q_L R_L and R^T = Q_R R_R (thin QR, orthonormal Q), ||L R|| = ||R_L R_R^T||: a k x k
+    problem instead of d x d."""
+    return top_singular_value(torch.linalg.qr(left).R @ torch.linalg.qr(right.mT).R.mT)
+
+
+def attention_sensitivity_estimate(X: Tensor, w: AttentionWeights, *, kappa: float = TIGHT_KAPPA,
+                                   start: Tensor | None = None, iterations: int = 2,
+                                   generator: torch.Generator | None = None,
+                                   ) -> tuple[AttentionSensitivity, Tensor]:
+    """The quantities of the certifier's default bound ("lofast": zeta and the relaxed score term
+    xi_l = ||A_l X^T|| + ||X A_l||) at tokens X (B, n, d), in X's dtype, with gradients with
+    respect to X and the weights.
+
+    start: (B, n, d) initial vectors of the power iteration (e.g. the previous batch's; random
+    when None or of another shape). Returns the sensitivity, marked ESTIMATE, and the final
+    vectors (B, n, d), detached, to start the next call from.
+    """
+    query, key, value, output = (t.to(X.dtype) for t in (w.query, w.key, w.value, w.output))
+    probs = _probabilities(X, query, key, w.scale)  # (B, h, n, n)
+
+    def apply(G: Tensor) -> Tensor:
+        out = _mix(probs, G, value, output)
+        return out + G if w.residual else out
+
+    def adjoint(Y: Tensor) -> Tensor:
+        out = _mix(probs.mT, Y, output.mT, value.mT)
+        return out + Y if w.residual else out
+
+    if start is None or start.shape != X.shape:
+        start = torch.randn(X.shape, generator=generator, dtype=torch.float32,
+                            device=generator.device if generator is not None else X.device)
+    vector = start.to(X)
+    with torch.no_grad():
+        for _ in range(iterations):
+            vector = adjoint(apply(vector))
+            vector = vector / torch.linalg.vector_norm(vector, dim=(1, 2), keepdim=True).clamp_min(
+                SQUARED_NORM_FLOOR)
+        vector = vector / torch.linalg.vector_norm(vector, dim=(1, 2), keepdim=True).clamp_min(
+            SQUARED_NORM_FLOOR)
+    zeta = torch.linalg.vector_norm(apply(vector), dim=(1, 2))
+
+    score_weights = query @ key.mT  # (h, d, d)
+    # einsum keeps these single matrix products; a broadcast (B, 1, n, d) @ (h, d, d) would copy
+    # the weights once per sample
+    score = (top_singular_value(torch.einsum("bnd,hed->bhne", X, score_weights))  # X A_l^T
+             + top_singular_value(torch.einsum("bnd,hde->bhne", X, score_weights)))  # (B, h)
+    x_value = torch.einsum("bhne,hef->bhnf", torch.einsum("bnd,hde->bhne", X, value), output)
+    value_norm = top_singular_value(x_value)  # (B, h) ||X B_l||
+    sensitivity = AttentionSensitivity(
+        zeta=zeta, score_sensitivity=score, value_norm=value_norm,
+        score_weight_norm=product_norm(query, key.mT),
+        value_weight_norm=product_norm(value, output), scale=float(w.scale),
+        kappa=float(kappa), guarantee=Guarantee.ESTIMATE)
+    return sensitivity, vector.detach()
+

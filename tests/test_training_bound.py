@@ -1,0 +1,168 @@
+"""The differentiable training bound: gradients, agreement with the certifier, the loss."""
+
+import copy
+
+import pytest
+import torch
+
+from lofast.bounds.attention import AttentionWeights, attention_sensitivity
+from lofast.bounds.estimate import attention_sensitivity_estimate, product_norm
+from lofast.bounds.spectral import SpectralMethod
+from lofast.certify import Certifier, CertifySettings
+from lofast.config import TrainConfig, preset
+from lofast.models.vit import create_model
+from lofast.train import head_pair_norms, scheduled_eps, training_loss
+from lofast.training_bound import TrainingBound
+
+DENSE = SpectralMethod(kind="dense")
+
+
+def small_model(seed=0):
+    # small attention caps keep every quantity in a range where float64 differences are clean
+    config = preset("tiny", num_classes=5, attn_radius=2.0, final_radius=1.5)
+    return create_model(config, seed=seed).double()
+
+
+def images(batch, seed=1):
+    return torch.rand(batch, 3, 32, 32, generator=torch.Generator().manual_seed(seed),
+                      dtype=torch.float64)
+
+
+def converged_radius(model, x, eps, iterations=2000):
+    bound = TrainingBound(iterations, generator=torch.Generator().manual_seed(0))
+    return bound(model, x, eps)
+
+
+def test_training_bound_agrees_with_the_certifier():
+    """Converged power iteration reproduces the certifier's feature radius from below."""
+    model = small_model()
+    x = images(6)
+    labels = torch.zeros(6, dtype=torch.long)
+    certificate = Certifier(model, CertifySettings(method=DENSE)).certify(x, labels)
+    for eps in (0.01, 0.1, 0.5):
+        reference = certificate.feature_radius(torch.tensor([eps]))[:, 0]
+        _, radius = converged_radius(model, x, eps)
+        radius = radius.double()
+        assert (radius <= reference * (1 + 1e-6)).all(), (radius, reference)
+        assert (radius >= reference * (1 - 1e-4)).all(), (radius, reference)
+
+
+def test_warm_started_estimate_is_close_after_a_few_steps():
+    """Two power steps from the previous batch's vectors: within 2 % of the dense zeta."""
+    model = small_model()
+    spec = model.structure()[2]
+    w = AttentionWeights(spec.query, spec.key, spec.value, spec.output, spec.residual, spec.scale)
+    _, acts = model.forward_with_activations(images(8))
+    tokens = acts[2].detach()
+    exact = attention_sensitivity(tokens, w, method=DENSE).zeta
+    generator = torch.Generator().manual_seed(0)
+    _, vectors = attention_sensitivity_estimate(tokens[:4], w, iterations=30, generator=generator)
+    estimate, _ = attention_sensitivity_estimate(tokens[4:], w, start=vectors, iterations=2)
+    assert (estimate.zeta <= exact[4:] * (1 + 1e-9)).all()
+    assert (estimate.zeta >= exact[4:] * 0.98).all(), (estimate.zeta, exact[4:])
+
+
+def test_product_norm_matches_the_dense_norm():
+    g = torch.Generator().manual_seed(3)
+    left = torch.randn(4, 32, 6, generator=g, dtype=torch.float64)
+    right = torch.randn(4, 6, 32, generator=g, dtype=torch.float64)
+    dense = torch.linalg.matrix_norm(left @ right, ord=2)
+    assert torch.allclose(product_norm(left, right), dense, rtol=1e-10)
+
+
+def test_gradient_matches_finite_differences():
+    """d radius / d parameters along a random direction, against central differences."""
+    model = small_model(seed=2)
+    x = images(3, seed=4)
+    eps = 0.2
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # orthogonal initial weights have no differentiable top singular value
+        for p in params:
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype) * p.abs().mean())
+    direction = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+
+    def objective():
+        logits, radius = converged_radius(model, x, eps)
+        return radius.double().sum() + 0.1 * logits.sum()
+
+    value = objective()
+    grads = torch.autograd.grad(value, params)
+    analytic = sum((gr * d).sum() for gr, d in zip(grads, direction)).item()
+    h = 1e-6
+    with torch.no_grad():
+        for p, d in zip(params, direction):
+            p.add_(h * d)
+        up = objective().item()
+        for p, d in zip(params, direction):
+            p.sub_(2 * h * d)
+        down = objective().item()
+        for p, d in zip(params, direction):
+            p.add_(h * d)
+    numeric = (up - down) / (2 * h)
+    assert analytic == pytest.approx(numeric, rel=1e-4, abs=1e-8)
+
+
+def test_gradient_reaches_every_attention_weight():
+    model = small_model()
+    _, radius = converged_radius(model, images(2), 0.1, iterations=5)
+    radius.sum().backward()
+    for name, p in model.named_parameters():
+        if "weights" in name:  # attention query/key/value/output
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_certified_loss_raises_non_true_logits_by_the_radius():
+    model = small_model()
+    logits = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 1, 2, 3])
+    radius = torch.tensor([0.0, 0.1, 0.2, 0.3], dtype=torch.float64)
+    config = TrainConfig(loss="certified", train_eps=0.1, temperature=0.5)
+    loss = training_loss(model, logits, labels, config, radius)
+    raised = logits + radius[:, None] * head_pair_norms(model, labels)
+    expected = torch.nn.functional.cross_entropy(raised / 0.5, labels)
+    assert torch.allclose(loss, expected)
+    mixed = training_loss(model, logits, labels,
+                          TrainConfig(loss="certified", train_eps=0.1, temperature=0.5,
+                                      clean_mix=0.25), radius)
+    clean = torch.nn.functional.cross_entropy(logits / 0.5, labels)
+    assert torch.allclose(mixed, 0.75 * expected + 0.25 * clean)
+    # the radius only ever makes the loss larger: it worsens every non-true logit
+    assert loss > training_loss(model, logits, labels, config, torch.zeros(4, dtype=torch.float64))
+
+
+def test_eps_ramp():
+    config = TrainConfig(loss="certified", train_eps=0.2, eps_ramp_epochs=4)
+    assert scheduled_eps(config, 0.0) == 0.0
+    assert scheduled_eps(config, 2.0) == pytest.approx(0.1)
+    assert scheduled_eps(config, 10.0) == pytest.approx(0.2)
+    assert scheduled_eps(TrainConfig(loss="certified", train_eps=0.2), 0.0) == 0.2
+
+
+def test_reusing_effective_weights_changes_nothing():
+    model = small_model()
+    x = images(2)
+    plain = model(x)
+    with model.reusing_effective_weights():
+        reused = model(x)
+    assert torch.equal(plain, reused)
+    assert all(s.reuse is None for s in model.stages if hasattr(s, "reuse"))
+
+
+def test_bad_certified_settings_are_rejected():
+    from lofast.errors import LofastError
+
+    with pytest.raises(LofastError, match="train-eps"):
+        TrainConfig(loss="certified")
+    with pytest.raises(LofastError, match="mix"):
+        TrainConfig(loss="certified", train_eps=0.1, clean_mix=1.5)
+    with pytest.raises(LofastError):
+        TrainingBound(iterations=0)
+
+
+def test_float32_bound_matches_float64_closely():
+    model = small_model()
+    x = images(4)
+    _, r64 = converged_radius(model, x, 0.1, iterations=50)
+    _, r32 = converged_radius(copy.deepcopy(model).float(), x.float(), 0.1, iterations=50)
+    assert torch.allclose(r32.double(), r64.double(), rtol=1e-3)
