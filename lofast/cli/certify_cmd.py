@@ -16,6 +16,12 @@ stdout = Console(highlight=False)
 GUARANTEES = {"exact": "dense", "probabilistic": "lanczos", "estimate": "power"}
 
 
+def default_batch_size(device) -> int:
+    """Samples certified together when --batch-size is not given: 16 on CPU, where larger
+    batches ran slower per sample in benchmarks/bench_certify.py, 256 on GPU."""
+    return 256 if device.type == "cuda" else 16
+
+
 class PositiveFloat(click.ParamType):
     name = "positive number"
 
@@ -93,7 +99,7 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
     if resume and out is None:
         raise LofastError("--resume needs --out, the file to continue")
     dev = resolve_device(device)
-    batch_size = batch_size or (256 if dev.type == "cuda" else 16)
+    batch_size = batch_size or default_batch_size(dev)
     if fallback != "none":
         from lofast.crown import INSTALL_HINT, crown_available
 

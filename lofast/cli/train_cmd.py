@@ -73,7 +73,7 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
 @click.option("--amp/--no-amp", default=True, show_default=True,
               help="bfloat16 autocast (GPU only).")
 @click.option("--limit", type=click.IntRange(min=1), default=None,
-              help="Train on the first N images only (quick runs).")
+              help="Train on N images only, the first of every class in turn (quick runs).")
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), required=True,
               help="Checkpoint to write (.safetensors).")
 @click.option("--resume", is_flag=True,
@@ -90,6 +90,7 @@ def train(dataset, data_path, download, preset, model_options, epochs, batch_siz
     from lofast.config import TrainConfig
     from lofast.config import preset as make_preset
     from lofast.data import load_dataset
+    from lofast.data.sample import class_balanced_order
     from lofast.models.vit import create_model
     from lofast.train import resolve_device
     from lofast.train import train as run_training
@@ -108,7 +109,8 @@ def train(dataset, data_path, download, preset, model_options, epochs, batch_siz
                                           "image_size": height, "channels": channels,
                                           **parse_model_options(model_options)})
     if limit is not None:
-        train_set = train_set.subset(slice(0, limit))
+        # class-balanced: data sets stored class by class would otherwise give a few classes
+        train_set = train_set.subset(class_balanced_order(train_set.labels)[:limit])
     torch.manual_seed(seed)
     model = create_model(model_config, seed=seed)
     state_path = out.with_name(out.name + ".state.pt")
