@@ -7,17 +7,21 @@ import numpy as np
 import pytest
 import torch
 
+from lofast.bounds import attention
 from lofast.bounds.attention import (
     AttentionSensitivity,
     AttentionWeights,
     attention_forward,
     attention_probabilities,
     attention_sensitivity,
+    first_order_factors,
+    first_order_negated_gram,
 )
 from lofast.bounds.spectral import Guarantee, SpectralMethod
 
 DENSE = SpectralMethod(kind="dense")
 LANCZOS = SpectralMethod()
+VERIFIED = SpectralMethod(kind="verified")
 SLACK = LANCZOS.relative_slack
 EPS = torch.tensor([0.01, 0.05, 0.1, 0.3], dtype=torch.float64)
 
@@ -111,13 +115,13 @@ CONFIGS = [(3, 6, 2, True), (4, 8, 2, False), (5, 12, 3, True), (2, 10, 5, False
 
 
 @pytest.mark.parametrize("n, d, h, residual", CONFIGS)
-@pytest.mark.parametrize("method", [DENSE, LANCZOS], ids=["dense", "lanczos"])
+@pytest.mark.parametrize("method", [DENSE, LANCZOS, VERIFIED], ids=["dense", "lanczos", "verified"])
 def test_norms_match_dense_references(n, d, h, residual, method):
     w = make_weights(h, d, 2, residual, seed=n * d)
     X = make_tokens(3, n, d, 1.0, seed=h)
     zeta_ref, naive_ref = reference_first_order(X, w)
     m_ref, xi_ref = reference_score(X, w)
-    slack = 1e-8 + 1e-12 if method is DENSE else SLACK + 1e-12
+    slack = {"dense": 1e-8 + 1e-12, "lanczos": SLACK + 1e-12, "verified": 2 * SLACK}[method.kind]
     g = torch.Generator().manual_seed(0)
 
     lofast = attention_sensitivity(X, w, method=method, generator=g)
@@ -304,6 +308,8 @@ def test_guarantee_and_failure_probability():
     assert explicit.guarantee is Guarantee.DETERMINISTIC and explicit.failure_probability == 0
     dense = attention_sensitivity(X, w, method=DENSE)
     assert dense.guarantee is Guarantee.DETERMINISTIC and dense.failure_probability == 0
+    verified = attention_sensitivity(X, w, method=VERIFIED)
+    assert verified.guarantee is Guarantee.DETERMINISTIC and verified.failure_probability == 0
     power = attention_sensitivity(X, w, method=SpectralMethod(kind="power"))
     assert power.guarantee is Guarantee.ESTIMATE and power.failure_probability == 0
     assert (power.zeta <= dense.zeta).all()
@@ -346,3 +352,103 @@ def test_validation():
     with pytest.raises(ValueError, match="scale"):
         AttentionWeights(query=w.query, key=w.key, value=w.value, output=w.output,
                          residual=True, scale=0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The verified zeta: the Kronecker Gram matrix, its rounding bound, and the Cholesky proof.
+
+
+def materialised_operator(X, w):
+    """T_X as an explicit (B, nd, nd) float64 matrix, column by column from the block's own
+    linearisation G -> H G + sum_l P_l G Wv_l Wo_l (no Kronecker formula involved)."""
+    P = attention_probabilities(X, w)
+    batch, n, d = X.shape
+    basis = torch.eye(n * d, dtype=torch.float64).reshape(n * d, n, d)
+    columns = []
+    for G in basis:
+        G = G.expand(batch, n, d)
+        out = sum(P[:, l] @ G @ w.value[l] @ w.output[l] for l in range(w.query.shape[0]))
+        columns.append((out + G if w.residual else out).reshape(batch, n * d))
+    return torch.stack(columns, dim=-1)
+
+
+GRAM_CONFIGS = [(3, 6, 2, 2, True), (4, 8, 2, 3, False), (5, 12, 3, 4, True),
+                (2, 10, 5, 1, False), (1, 4, 1, 4, True), (6, 5, 4, 8, True)]
+
+
+@pytest.mark.parametrize("n, d, h, dv, residual", GRAM_CONFIGS)
+def test_kronecker_gram_equals_materialised_gram(n, d, h, dv, residual):
+    w = make_weights(h, d, dv, residual, seed=31 + n * d + h)
+    X = make_tokens(3, n, d, 1.5, seed=32 + n)
+    T = materialised_operator(X, w)
+    exact = T.mT @ T
+    f = first_order_factors(w.value, w.output, residual)
+    negated, error = first_order_negated_gram(attention_probabilities(X, w), f)
+    gram = -torch.tril(negated) * f.unit ** 2  # only the lower triangle is defined
+    lower = torch.tril(exact)
+    deviation = (gram - lower).abs()
+    scale = exact.abs().amax()
+    assert deviation.amax() <= 1e-13 * scale  # the same matrix up to rounding
+    # the stated error bound covers the deviation (entrywise <= spectral) and is small
+    assert (deviation.flatten(1).amax(dim=1) <= error * f.unit ** 2 + 1e-14 * scale).all()
+    assert (error * f.unit ** 2 <= 1e-10 * scale).all()
+
+
+@pytest.mark.parametrize("n, d, h, dv, residual", GRAM_CONFIGS)
+@pytest.mark.parametrize("gain", [1e-3, 1.0, 1e3])
+def test_verified_zeta_bounds_the_materialised_norm(n, d, h, dv, residual, gain):
+    w = make_weights(h, d, dv, residual, seed=33 + n + d, gain=gain)
+    X = make_tokens(4, n, d, 1.0, seed=34 + h)
+    exact = torch.linalg.matrix_norm(materialised_operator(X, w), ord=2)
+    zeta = attention_sensitivity(X, w, method=VERIFIED, score_bound="relaxed").zeta
+    assert (zeta >= exact).all()
+    assert (zeta <= exact * (1 + 2 * SLACK)).all()
+
+
+def test_verified_zeta_on_a_larger_block():
+    # n d = 6 * 64 = 384: large Gram matrices, chunked, with the matrix-free estimate
+    w = make_weights(4, 64, 16, True, seed=13)
+    X = make_tokens(5, 6, 64, 1.0, seed=14)
+    zeta_ref, _ = reference_first_order(X, w)
+    sens = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED)
+    assert (sens.zeta.numpy() >= zeta_ref).all()
+    assert (sens.zeta.numpy() <= zeta_ref * (1 + 2 * SLACK)).all()
+
+
+def test_verified_zeta_with_a_too_low_estimate(monkeypatch):
+    # force the first Cholesky trial to fail for every sample: the retry still proves a bound
+    w = make_weights(3, 16, 4, True, seed=35)
+    X = make_tokens(3, 5, 16, 1.0, seed=36)
+    zeta_ref, _ = reference_first_order(X, w)
+    good = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
+    monkeypatch.setattr(attention, "_first_order_estimate",
+                        lambda probs, f, start, steps: 0.5 * torch.ones(probs.shape[0]).to(probs))
+    low = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
+    assert (low.numpy() >= zeta_ref).all() and (low.numpy() <= zeta_ref * (1 + 2 * SLACK)).all()
+    assert (good.numpy() >= zeta_ref).all()
+
+
+def test_verified_zeta_does_not_depend_on_chunking(monkeypatch):
+    w = make_weights(2, 8, 4, False, seed=37)
+    X = make_tokens(5, 4, 8, 1.0, seed=38)
+    whole = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
+    monkeypatch.setattr(attention, "VERIFIED_CPU_ELEMENTS", 1)  # one sample per chunk
+    single = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
+    assert torch.allclose(whole, single, rtol=1e-12)
+
+
+def test_verified_rejects_weights_out_of_range():
+    w = make_weights(2, 8, 4, True, seed=39, gain=1e-30)
+    X = make_tokens(2, 3, 8, 1.0, seed=40)
+    with pytest.raises(ValueError, match="verified"):
+        attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED)
+
+
+def test_verified_zeta_of_a_zero_operator():
+    # no residual and zero value weights: T_X = 0, and the bound is (essentially) 0, not NaN
+    w = make_weights(2, 8, 4, False, seed=41)
+    w = AttentionWeights(query=w.query, key=w.key, value=torch.zeros_like(w.value),
+                         output=w.output, residual=False, scale=w.scale)
+    X = make_tokens(3, 4, 8, 1.0, seed=42)
+    zeta = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
+    assert torch.isfinite(zeta).all() and (zeta >= 0).all() and (zeta <= 1e-100).all()

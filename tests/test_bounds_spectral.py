@@ -209,3 +209,141 @@ def test_method_validation_and_descriptions():
     assert weakest_guarantee(Guarantee.ESTIMATE, Guarantee.PROBABILISTIC) is Guarantee.ESTIMATE
     with pytest.raises(ValueError):
         operator_norm(lambda x: x, lambda y: y, (3,), 1, SpectralMethod(), dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cholesky-verified norms: deterministic upper bounds, within (1 + 2 slack) of the exact norm.
+
+
+def dense_norm(M):
+    return torch.linalg.matrix_norm(M, ord=2)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_verified_is_a_tight_upper_bound(name):
+    M = CASES[name]
+    exact = dense_norm(M)
+    verified = explicit_norm(M, "verified")
+    assert verified.dtype == torch.float64 and verified.shape == exact.shape
+    assert (verified >= exact).all()
+    assert (verified <= exact * (1 + 2 * SLACK)).all()
+    assert SpectralMethod(kind="verified").guarantee is Guarantee.DETERMINISTIC
+
+
+def degenerate_matrices():
+    """(B, m, k) batches with awkward spectra, each with its exact norm."""
+    g = torch.Generator().manual_seed(10)
+    n = 90  # Gram matrices above SMALL_GRAM: the Lanczos estimate path
+    u, v = torch.randn(2, n, generator=g, dtype=torch.float64)
+    rank_one = 3.0 * torch.outer(u / u.norm(), v / v.norm())
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    repeated = q * torch.cat([torch.full((5,), 2.0), torch.linspace(1.9, 0.1, n - 5)]).to(q)
+    random = torch.randn(n, n, generator=g, dtype=torch.float64)
+    base = torch.stack([torch.zeros(n, n, dtype=torch.float64), rank_one, repeated, random,
+                        torch.eye(n, dtype=torch.float64)])
+    return {"plain": base, "tiny": 1e-150 * base, "huge": 1e150 * base,
+            "small-gram": base[:, :20, :30], "tall": torch.randn(3, 120, 70, generator=g,
+                                                                   dtype=torch.float64)}
+
+
+@pytest.mark.parametrize("name", list(degenerate_matrices()))
+def test_verified_gram_norm_on_degenerate_batches(name):
+    M = degenerate_matrices()[name]
+    exact = dense_norm(M)
+    gram, error = spectral.gram_with_error(M)
+    assert torch.equal(gram, gram.mT)
+    for symmetric in (True, False):
+        bound = spectral.verified_gram_norm(gram, gram_error=error, symmetric=symmetric)
+        assert (bound >= exact).all(), (bound, exact)
+        assert (bound <= exact * (1 + 2 * SLACK)).all(), (bound / exact)
+    if name == "plain":
+        assert bound[0] == 0  # the zero operator: exactly 0
+    # through operator_norm (materialised, rescaled, Gram, verified)
+    via_operator = explicit_norm(M, "verified")
+    assert (via_operator >= exact).all() and (via_operator <= exact * (1 + 2 * SLACK)).all()
+
+
+def test_verified_gram_norm_reads_only_the_lower_triangle():
+    g = torch.Generator().manual_seed(11)
+    A = torch.randn(4, 90, 80, generator=g, dtype=torch.float64)
+    gram, error = spectral.gram_with_error(A)
+    exact = dense_norm(A)
+    garbage = gram.clone()
+    upper = torch.triu(torch.ones(80, 80, dtype=torch.bool), diagonal=1)
+    garbage[:, upper] = float("nan")
+    bound = spectral.verified_gram_norm(garbage, gram_error=error)  # symmetrised from below
+    assert (bound >= exact).all() and (bound <= exact * (1 + 2 * SLACK)).all()
+    # the assumption behind verified_norm_from_negated_gram: cholesky_ex and eigvalsh read
+    # only the lower triangle (NaN above the diagonal changes nothing), in C and Fortran order
+    S = (torch.eye(80, dtype=torch.float64) * 1e3 - gram)
+    S_garbage = S.clone()
+    S_garbage[:, upper] = float("nan")
+    for candidate in (S_garbage, S_garbage.mT.contiguous().mT):
+        assert torch.equal(torch.linalg.cholesky_ex(candidate).L, torch.linalg.cholesky_ex(S).L)
+        assert torch.equal(torch.linalg.eigvalsh(candidate, UPLO="L"), torch.linalg.eigvalsh(S))
+    assert (torch.linalg.cholesky_ex(-gram).info > 0).all()  # and a failure is reported
+
+
+@pytest.mark.parametrize("factor", [0.0, 0.25, 0.99])
+def test_verified_retries_a_too_low_estimate(factor):
+    M = degenerate_matrices()["plain"][1:]
+    exact = dense_norm(M)
+    gram, error = spectral.gram_with_error(M)
+    bound = spectral.verified_gram_norm(gram, gram_error=error, estimate=factor * exact.square())
+    assert (bound >= exact).all() and (bound <= exact * (1 + 2 * SLACK)).all()
+
+
+def test_verified_doubling_when_every_estimate_is_wrong(monkeypatch):
+    # the estimate and the exact-eigenvalue retry both too low: c is doubled until the
+    # Cholesky proof succeeds, and the value stays an upper bound
+    monkeypatch.setattr(spectral, "_top_eigenvalue", lambda S: torch.zeros(S.shape[0]).to(S))
+    calls = []
+    passes = spectral._cholesky_passes
+    monkeypatch.setattr(spectral, "_cholesky_passes", lambda A: calls.append(1) or passes(A))
+    M = degenerate_matrices()["plain"][1:]
+    exact = dense_norm(M)
+    gram, error = spectral.gram_with_error(M)
+    bound = spectral.verified_gram_norm(gram, gram_error=error, estimate=1e-3 * exact.square())
+    assert len(calls) > 3
+    assert (bound >= exact).all() and (bound <= 2 * exact).all()
+
+
+def test_verified_margins_are_tiny_but_present():
+    # a nearly exact estimate: the bound is (1 + slack) sqrt(estimate) up to the rounding
+    # margins, which are far below the slack
+    M = degenerate_matrices()["plain"][1:]
+    exact = dense_norm(M)
+    gram, error = spectral.gram_with_error(M)
+    bound = spectral.verified_gram_norm(gram, gram_error=error, estimate=exact.square(),
+                                        relative_slack=1e-6)
+    assert (bound >= exact * (1 + 1e-6)).all() and (bound <= exact * (1 + 1e-6 + 1e-9)).all()
+
+
+def test_verified_rejects_bad_input():
+    with pytest.raises(ValueError):
+        spectral.verified_gram_norm(torch.ones(3, 4, 5, dtype=torch.float64))
+    with pytest.raises(ValueError):
+        spectral.verified_gram_norm(torch.eye(3, dtype=torch.float64)[None],
+                                    gram_error=torch.tensor([-1.0]))
+    bad = torch.eye(3, dtype=torch.float64)[None].clone()
+    bad[0, 2, 1] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        spectral.verified_gram_norm(bad)
+    with pytest.raises(ValueError):
+        SpectralMethod(kind="verified", estimate_steps=0)
+    line = SpectralMethod(kind="verified").describe()
+    assert line.startswith("deterministic") and "Cholesky" in line
+
+
+def test_gram_with_error_bounds_the_rounding():
+    # against an extended-precision reference (numpy longdouble has a 64-bit mantissa on x86)
+    g = torch.Generator().manual_seed(12)
+    M = torch.randn(3, 200, 40, generator=g, dtype=torch.float64) * torch.logspace(0, 3, 40).to(
+        torch.float64)
+    gram, error = spectral.gram_with_error(M)
+    reference = np.einsum("bki,bkj->bij", M.numpy().astype(np.longdouble),
+                          M.numpy().astype(np.longdouble))
+    deviation = np.abs(gram.numpy().astype(np.longdouble) - reference)
+    spectral_deviation = np.linalg.norm(deviation.astype(np.float64), ord=2, axis=(1, 2))
+    assert (spectral_deviation <= error.numpy()).all()
+    assert (error.numpy() <= 1e-11 * np.linalg.norm(M.numpy(), axis=(1, 2)) ** 2).all()

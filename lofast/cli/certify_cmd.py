@@ -13,7 +13,7 @@ from rich.console import Console
 console = Console(stderr=True, highlight=False)
 stdout = Console(highlight=False)
 
-GUARANTEES = {"exact": "dense", "probabilistic": "lanczos", "estimate": "power"}
+GUARANTEES = {"exact": "verified", "probabilistic": "lanczos", "estimate": "power"}
 
 
 def default_batch_size(device) -> int:
@@ -60,9 +60,9 @@ class PositiveFloat(click.ParamType):
               help="Softmax Lipschitz constant: 0.5 (tight) or 1 (the paper's).")
 @click.option("--guarantee", type=click.Choice(list(GUARANTEES)), default="probabilistic",
               show_default=True,
-              help="exact: dense float64 norms (deterministic); probabilistic: randomized "
-                   "Lanczos, each norm an upper bound with probability >= 1 - 1e-9; estimate: "
-                   "power iteration, NOT a certificate.")
+              help="exact: float64 Cholesky-verified norms (deterministic, rounding bounded "
+                   "rigorously); probabilistic: randomized Lanczos, each norm an upper bound "
+                   "with probability >= 1 - 1e-9; estimate: power iteration, NOT a certificate.")
 @click.option("--fallback", type=click.Choice(["none", "crown", "alpha-crown"]), default="none",
               show_default=True,
               help="Run (alpha-)CROWN from auto_LiRPA on the samples LoFAST leaves uncertified.")
