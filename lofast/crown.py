@@ -339,6 +339,9 @@ def _alarm(seconds: float | None) -> Iterator[None]:
             raise _TimeLimit
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
+    # the interrupt can land between a library's torch.set_grad_enabled(False) and its restore:
+    # put the grad mode back, or it would leak into everything that runs afterwards
+    grad_mode = torch.is_grad_enabled()
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
@@ -346,6 +349,7 @@ def _alarm(seconds: float | None) -> Iterator[None]:
         armed[0] = False
         signal.setitimer(signal.ITIMER_REAL, 0.0)
         signal.signal(signal.SIGALRM, previous)
+        torch.set_grad_enabled(grad_mode)
 
 
 def _available_memory() -> int | None:

@@ -276,3 +276,16 @@ def test_memory_guard_turns_exhaustion_into_an_exception(monkeypatch):
     with pytest.raises(RuntimeError, match="allocate"), crown._memory_guard(torch.device("cpu")):
         torch.ones(2**28)  # 1 GiB
     assert torch.ones(2**28).sum() == 2**28  # the limit is lifted afterwards
+
+
+def test_time_limit_restores_the_grad_mode():
+    """An interrupt that lands while a library has switched gradients off must not leave them
+    off for the rest of the process."""
+    import time
+
+    assert torch.is_grad_enabled()
+    with pytest.raises(crown._TimeLimit):
+        with crown._alarm(0.05):
+            torch.set_grad_enabled(False)  # what a library does without a context manager
+            time.sleep(5)
+    assert torch.is_grad_enabled()
