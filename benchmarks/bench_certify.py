@@ -77,7 +77,7 @@ def split_costs(certifier: Certifier, x: torch.Tensor, y: torch.Tensor) -> dict[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default=None)
-    parser.add_argument("--guarantee", choices=list(KINDS), default="probabilistic")
+    parser.add_argument("--guarantee", choices=list(KINDS), default="exact")
     parser.add_argument("--batch-sizes", default="16,64,256")
     parser.add_argument("--n", type=int, default=256)
     parser.add_argument("--device", default="auto")

@@ -352,7 +352,7 @@ def main() -> None:
                         help="seconds CROWN may spend on one sample (default: no limit)")
     parser.add_argument("--crown-dtype", choices=list(DTYPES), default="float64",
                         help="CROWN's precision (default float64, as lofast certify --fallback)")
-    parser.add_argument("--guarantee", choices=list(GUARANTEES), default="probabilistic")
+    parser.add_argument("--guarantee", choices=list(GUARANTEES), default="exact")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="LoFAST batch (default: as lofast certify, 16 on CPU, 256 on GPU)")

@@ -12,6 +12,7 @@ import torch
 from lofast.bounds.spectral import SpectralMethod
 from lofast.certify import Certifier, CertifySettings
 from lofast.checkpoint import SHIPPED_DIR, load_checkpoint
+from lofast.cli.certify_cmd import GUARANTEES
 from lofast.data.sample import class_balanced_order, load_bundled_sample
 
 REFERENCE = SHIPPED_DIR / "reference.json"
@@ -29,7 +30,7 @@ def certificate(reference):
     data = load_bundled_sample()
     subset = data.subset(class_balanced_order(data.labels)[: reference["samples"]])
     x, y = subset.to_tensors()
-    kind = {"exact": "dense", "probabilistic": "lanczos"}[reference["guarantee"]]
+    kind = GUARANTEES[reference["guarantee"]]
     settings = CertifySettings(bound=reference["bound"], kappa=reference["kappa"],
                                method=SpectralMethod(kind=kind))
     return Certifier(model, settings).certify(x, y)

@@ -58,7 +58,7 @@ class PositiveFloat(click.ParamType):
                    "(delta_2^(1)); naive: eq. (12) first-order term.")
 @click.option("--kappa", type=click.Choice(["0.5", "1"]), default="0.5", show_default=True,
               help="Softmax Lipschitz constant: 0.5 (tight) or 1 (the paper's).")
-@click.option("--guarantee", type=click.Choice(list(GUARANTEES)), default="probabilistic",
+@click.option("--guarantee", type=click.Choice(list(GUARANTEES)), default="exact",
               show_default=True,
               help="exact: float64 Cholesky-verified norms (deterministic, rounding bounded "
                    "rigorously); probabilistic: randomized Lanczos, each norm an upper bound "
