@@ -17,8 +17,8 @@ evaluates the bound for any radii.
 
 from __future__ import annotations
 
+import functools
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +117,18 @@ class AttentionWeights:
         """B_l = Wv_l Wo_l, (h, d, d) float64 (matrix-vector products use the factors)."""
         return _f64(self.value) @ _f64(self.output)
 
+    # Weights-only quantities, computed once per AttentionWeights (a certifier keeps one per
+    # block, so once per model) on the weights' device. The tensors must not change afterwards.
+    @functools.cached_property
+    def weight_norms(self) -> tuple[Tensor, Tensor]:
+        """Deterministic upper bounds (||A_l||, ||B_l||), (h,) float64 each."""
+        return matrix_norm_upper(self.score_matrices()), matrix_norm_upper(self.value_matrices())
+
+    @functools.cached_property
+    def first_order_factors(self) -> FirstOrderFactors:
+        """The weights-only part of the verified zeta computation."""
+        return first_order_factors(_f64(self.value), _f64(self.output), self.residual)
+
 
 @dataclass(frozen=True)
 class AttentionSensitivity:
@@ -197,17 +209,26 @@ def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
     query, key = _f64(w.query, device), _f64(w.key, device)
     value, output = _f64(w.value, device), _f64(w.output, device)
     score_weights = query @ key.mT  # (h, d, d) A_l
-    x_score = X[:, None] @ score_weights  # (B, h, n, d) X A_l
+    # einsum keeps these single matrix products; a broadcast (B, 1, n, d) @ (h, d, d) would copy
+    # the weights once per sample
+    x_score = torch.einsum("bnd,hde->bhne", X, score_weights)  # (B, h, n, d) X A_l
     probs = _probabilities(X, query, key, w.scale)  # (B, h, n, n)
     x_value = torch.einsum("bnd,hde->bhne", X, value)  # (B, h, n, dv) X Wv_l
-    value_norm = matrix_norm_upper(x_value @ output)  # (B, h) ||X B_l||
-    score_weight_norm = matrix_norm_upper(score_weights)
-    value_weight_norm = matrix_norm_upper(value @ output)
-    x_score_t = X[:, None] @ score_weights.mT  # (B, h, n, d) X A_l^T; ||X A_l^T|| = ||A_l X^T||
+    value_norm = matrix_norm_upper(torch.einsum("bhne,hef->bhnf", x_value, output))  # ||X B_l||
+    same_device = w.query.device == device
+    score_weight_norm, value_weight_norm = (
+        w.weight_norms if same_device else (matrix_norm_upper(score_weights),
+                                            matrix_norm_upper(value @ output)))
+    x_score_t = torch.einsum("bnd,hed->bhne", X, score_weights)  # X A_l^T; = ||A_l X^T||
 
     matrix_free = 0  # probabilistic / estimated norms per sample
     if first_order == "lofast":
-        zeta = _first_order_norm(X, probs, value, output, w.residual, method, generator)
+        if method.kind == "verified":
+            factors = (w.first_order_factors if same_device
+                       else first_order_factors(value, output, w.residual))
+            zeta = verified_first_order_norm(probs, factors, method)
+        else:
+            zeta = _first_order_norm(X, probs, value, output, w.residual, method, generator)
         matrix_free += 1
     else:
         identity_norm = 1.0 if w.residual else 0.0
@@ -233,8 +254,6 @@ def _first_order_norm(X: Tensor, probs: Tensor, value: Tensor, output: Tensor, r
     """zeta = ||T_X|| per sample, T_X(G) = H G + sum_l P_l G Wv_l Wo_l (n x d -> n x d), with
     adjoint T_X*(Y) = H^T Y + sum_l P_l^T Y Wo_l^T Wv_l^T. Returns (B,)."""
     batch, n, d = X.shape
-    if method.kind == "verified":
-        return verified_first_order_norm(probs, value, output, residual, method)
     parts = []
     for rows in _chunks(batch, working_elements(method, n * d, n * d), X.device):
         p = probs[rows]
@@ -370,7 +389,7 @@ def first_order_negated_gram(probs: Tensor, f: FirstOrderFactors,
     return negated, error * (1.0 + 2.0 ** -30)
 
 
-def verified_first_order_norm(probs: Tensor, value: Tensor, output: Tensor, residual: bool,
+def verified_first_order_norm(probs: Tensor, f: FirstOrderFactors,
                               method: SpectralMethod) -> Tensor:
     """Deterministic upper bound on zeta = ||T_X|| (B,), T_X(G) = H G + sum_l P_l G Wv_l Wo_l.
 
@@ -378,9 +397,7 @@ def verified_first_order_norm(probs: Tensor, value: Tensor, output: Tensor, resi
     of its top eigenvalue by ``method.estimate_steps`` matrix-free Lanczos steps on T'^T T',
     and its verification by Cholesky (``spectral.verified_norm_from_negated_gram``)."""
     batch, _, n, _ = probs.shape
-    d = value.shape[1]
-    f = _cached_factors(value, output, residual)
-    dim = n * d
+    dim = n * f.direction.shape[0]
     budget = VERIFIED_CPU_ELEMENTS if probs.device.type == "cpu" else DEVICE_WORKSPACE_ELEMENTS
     size = min(batch, max(1, budget // (3 * dim * dim + method.estimate_steps * dim)))
     noise = fixed_unit_vector(dim, probs.device)
@@ -397,39 +414,6 @@ def verified_first_order_norm(probs: Tensor, value: Tensor, output: Tensor, resi
             negated, relative_slack=method.relative_slack, gram_error=error, estimate=estimate,
             lower_only=True))
     return torch.cat(parts) * f.unit
-
-
-# first_order_factors per value-weight tensor, keyed by id and checked by identity (weak
-# references, so an entry never keeps weights alive and dies with them), reused while the same
-# value and output tensors are unchanged (version counters)
-_FACTORS: dict[int, tuple] = {}
-FACTOR_CACHE_SIZE = 8
-
-
-def _cached_factors(value: Tensor, output: Tensor, residual: bool) -> FirstOrderFactors:
-    """``first_order_factors``, computed once per block for a certifier's persistent weights."""
-    try:
-        state = (value._version, output._version, residual)
-    except RuntimeError:  # inference tensors have no version counter: no caching
-        return first_order_factors(value, output, residual)
-    key = id(value)
-    entry = _FACTORS.get(key)
-    if (entry is not None and entry[0]() is value and entry[1]() is output
-            and entry[2] == state):
-        return entry[3]
-    factors = first_order_factors(value, output, residual)
-    while len(_FACTORS) >= FACTOR_CACHE_SIZE:
-        _FACTORS.pop(next(iter(_FACTORS)))
-    reference = weakref.ref(value)
-    _FACTORS[key] = (reference, weakref.ref(output), state, factors)
-    weakref.finalize(value, _forget_factors, key, reference)
-    return factors
-
-
-def _forget_factors(key: int, reference: weakref.ref) -> None:
-    entry = _FACTORS.get(key)
-    if entry is not None and entry[0] is reference:
-        del _FACTORS[key]
 
 
 def _first_order_estimate(probs: Tensor, f: FirstOrderFactors, start: Tensor,
