@@ -26,6 +26,7 @@ from torch import Tensor
 
 from lofast.bounds.spectral import (
     Guarantee,
+    LinearMap,
     SpectralMethod,
     fixed_unit_vector,
     gamma,
@@ -256,19 +257,26 @@ def _first_order_norm(X: Tensor, probs: Tensor, value: Tensor, output: Tensor, r
     batch, n, d = X.shape
     parts = []
     for rows in _chunks(batch, working_elements(method, n * d, n * d), X.device):
-        p = probs[rows]
-
-        def apply(G: Tensor, p: Tensor = p) -> Tensor:
-            out = _mix(p, G, value, output)
-            return out + G if residual else out
-
-        def adjoint(Y: Tensor, p: Tensor = p) -> Tensor:
-            out = _mix(p.mT, Y, output.mT, value.mT)
-            return out + Y if residual else out
-
-        parts.append(operator_norm(apply, adjoint, (n, d), p.shape[0], method,
+        apply, adjoint = first_order_maps(probs[rows], value, output, residual)
+        parts.append(operator_norm(apply, adjoint, (n, d), rows.stop - rows.start, method,
                                    device=X.device, generator=generator))
     return torch.cat(parts)
+
+
+def first_order_maps(probs: Tensor, value: Tensor, output: Tensor,
+                     residual: bool) -> tuple[LinearMap, LinearMap]:
+    """T_X(G) = H G + sum_l P_l G Wv_l Wo_l and its adjoint
+    T_X*(Y) = H^T Y + sum_l P_l^T Y Wo_l^T Wv_l^T, on (B, n, d), for probs (B, h, n, n)."""
+
+    def apply(G: Tensor) -> Tensor:
+        out = _mix(probs, G, value, output)
+        return out + G if residual else out
+
+    def adjoint(Y: Tensor) -> Tensor:
+        out = _mix(probs.mT, Y, output.mT, value.mT)
+        return out + Y if residual else out
+
+    return apply, adjoint
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ from lofast.bounds.attention import (
     TIGHT_KAPPA,
     AttentionSensitivity,
     AttentionWeights,
-    _mix,
     _probabilities,
+    first_order_maps,
 )
-from lofast.bounds.spectral import Guarantee
+from lofast.bounds.spectral import Guarantee, power_iterate
 
 # Floor under squared norms before the square root (whose gradient is unbounded at 0).
 SQUARED_NORM_FLOOR = 1e-12
@@ -60,25 +60,16 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionWeights, *, kappa: flo
     query, key, value, output = (t.to(X.dtype) for t in (w.query, w.key, w.value, w.output))
     probs = _probabilities(X, query, key, w.scale)  # (B, h, n, n)
 
-    def apply(G: Tensor) -> Tensor:
-        out = _mix(probs, G, value, output)
-        return out + G if w.residual else out
-
-    def adjoint(Y: Tensor) -> Tensor:
-        out = _mix(probs.mT, Y, output.mT, value.mT)
-        return out + Y if w.residual else out
-
+    apply, adjoint = first_order_maps(probs, value, output, w.residual)
     if start is None or start.shape != X.shape:
         start = torch.randn(X.shape, generator=generator, dtype=torch.float32,
                             device=generator.device if generator is not None else X.device)
-    vector = start.to(X)
+    start = start.to(X).flatten(1)
+    start = start / torch.linalg.vector_norm(start, dim=1, keepdim=True).clamp_min(
+        SQUARED_NORM_FLOOR)
     with torch.no_grad():
-        for _ in range(iterations):
-            vector = adjoint(apply(vector))
-            vector = vector / torch.linalg.vector_norm(vector, dim=(1, 2), keepdim=True).clamp_min(
-                SQUARED_NORM_FLOOR)
-        vector = vector / torch.linalg.vector_norm(vector, dim=(1, 2), keepdim=True).clamp_min(
-            SQUARED_NORM_FLOOR)
+        vector = power_iterate(lambda v: adjoint(apply(v.view(X.shape))).flatten(1), start,
+                               iterations).view(X.shape)
     zeta = torch.linalg.vector_norm(apply(vector), dim=(1, 2))
 
     score_weights = query @ key.mT  # (h, d, d)

@@ -540,13 +540,20 @@ def power_norm(apply: LinearMap, adjoint: LinearMap, start: Tensor, in_shape: tu
     """Estimate ||L_b|| by power iteration on L^T L: returns ||L x|| for the final unit x, which
     is never above the true norm in exact arithmetic. start: (B, N) unit vectors -> (B,)."""
     gram, unit = _normalised_gram(apply, adjoint, start, in_shape)
+    x = power_iterate(gram, start, iterations)
+    image = apply(x.reshape(x.shape[0], *in_shape)).reshape(x.shape[0], -1)
+    return torch.linalg.vector_norm(image / unit[:, None], dim=1) * unit
+
+
+def power_iterate(gram: LinearMap, start: Tensor, iterations: int) -> Tensor:
+    """Power iteration on symmetric PSD maps ``gram`` ((B, N) -> (B, N)) from unit vectors
+    ``start`` (B, N); returns the final unit vectors (a vector is kept where gram maps it to 0)."""
     x = start
     for _ in range(iterations):
         y = gram(x)
         norm = torch.linalg.vector_norm(y, dim=1, keepdim=True)
-        x = torch.where(norm > 0, y / torch.where(norm > 0, norm, 1.0), x)  # keep x if L x = 0
-    image = apply(x.reshape(x.shape[0], *in_shape)).reshape(x.shape[0], -1)
-    return torch.linalg.vector_norm(image / unit[:, None], dim=1) * unit
+        x = torch.where(norm > 0, y / torch.where(norm > 0, norm, 1.0), x)
+    return x
 
 
 def _normalised_gram(apply: LinearMap, adjoint: LinearMap, start: Tensor,
