@@ -18,7 +18,7 @@ import torch
 
 from lofast.config import TrainConfig, preset
 from lofast.models.vit import create_model
-from lofast.train import resolve_device, training_loss
+from lofast.train import resolve_device, training_step
 from lofast.training_bound import TrainingBound
 
 EPOCH_IMAGES = 50_000
@@ -39,16 +39,7 @@ def seconds_per_step(config: TrainConfig, model_preset: str, device: torch.devic
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             started = time.perf_counter()
-        radius = None
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-            if bound is not None:
-                logits, radius = bound(model, x, config.train_eps)
-            else:
-                logits = model(x)
-        loss = training_loss(model, logits.float(), y, config, radius)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        training_step(model, optimizer, x, y, config, bound, config.train_eps, use_amp)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return (time.perf_counter() - started) / steps

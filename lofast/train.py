@@ -119,6 +119,26 @@ class StepStats:
     images_per_second: float
 
 
+def training_step(model: LipschitzViT, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor,
+                  config: TrainConfig, bound: TrainingBound | None, eps: float,
+                  use_amp: bool) -> tuple[Tensor, Tensor]:
+    """One optimisation step on a batch (B, C, H, W); returns the loss and the clean logits.
+    With a bound (certified loss) the logits are worsened by its radius at eps. A non-finite
+    loss is returned without updating the weights."""
+    radius = None
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=use_amp):
+        if bound is not None:
+            logits, radius = bound(model, x, eps)
+        else:
+            logits = model(x)
+    loss = training_loss(model, logits.float(), y, config, radius)
+    if torch.isfinite(loss):
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return loss, logits
+
+
 def _lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -182,20 +202,11 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
             y = labels_all[index]
             if config.augment:
                 x = augment(x, generator)
-            radius = None
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-                if bound is not None:
-                    eps = scheduled_eps(config, epoch + step / steps_per_epoch)
-                    logits, radius = bound(model, x, eps)
-                else:
-                    logits = model(x)
-            loss = training_loss(model, logits.float(), y, config, radius)
+            eps = scheduled_eps(config, epoch + step / steps_per_epoch)
+            loss, logits = training_step(model, optimizer, x, y, config, bound, eps, use_amp)
             if not torch.isfinite(loss):
                 raise LofastError(f"training diverged at epoch {epoch + 1} (loss {loss.item()}); "
                                   "lower the learning rate")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
             scheduler.step()
             loss_sum += loss.item() * len(y)
             correct += (logits.argmax(dim=1) == y).sum().item()
