@@ -59,10 +59,13 @@ def test_model_learned_and_some_samples_certify(trained, certificate):
     assert 0 < certificate.failure_probability <= 1e-7
 
 
-def test_certified_samples_survive_pgd(trained, certificate):
+@pytest.mark.parametrize("kind", ["lanczos", "verified"])
+def test_certified_samples_survive_pgd(trained, kind):
     """Attack every sample just inside its certified radius: that ball contains the ball of
-    every eps it is certified at, so one strong attack there checks all its verdicts."""
+    every eps it is certified at, so one strong attack there checks all its verdicts. Both
+    certificate-grade methods: randomized Lanczos and the Cholesky-verified default of the CLI."""
     model, x, y = trained
+    certificate = Certifier(model, CertifySettings(method=SpectralMethod(kind=kind))).certify(x, y)
     radius = certificate.radius()
     inside = radius > 0
     assert inside.sum() >= 5
@@ -78,10 +81,11 @@ def test_certified_samples_survive_pgd(trained, certificate):
     assert broken.float().mean() > 0.5
 
 
-def test_feature_bound_exceeds_pgd_feature_deviation(trained):
+@pytest.mark.parametrize("kind", ["lanczos", "verified"])
+def test_feature_bound_exceeds_pgd_feature_deviation(trained, kind):
     """The composed radius bounds the pooled-feature change: maximise that change with PGD."""
     model, x, y = trained
-    certifier = Certifier(model, CertifySettings())
+    certifier = Certifier(model, CertifySettings(method=SpectralMethod(kind=kind)))
     x, y = x[:8].double(), y[:8]
     cert = certifier.certify(x, y)
     features = torch.nn.Sequential(*certifier.model.stages[:-1])
@@ -121,6 +125,12 @@ def test_probabilistic_and_exact_agree(trained):
     a, b = exact.feature_radius(EPS), prob.feature_radius(EPS)
     assert (b >= a * (1 - 1e-12)).all()
     assert (b <= a * (1 + 5e-3)).all()
+    verified = Certifier(model, CertifySettings(method=SpectralMethod(kind="verified")))
+    c = verified.certify(x, y)
+    assert c.guarantee is Guarantee.DETERMINISTIC and c.failure_probability == 0
+    v = c.feature_radius(EPS)
+    assert (v >= a * (1 - 1e-12)).all()
+    assert (v <= a * (1 + 5e-3)).all()
 
 
 def test_estimate_mode_is_labelled(trained):
