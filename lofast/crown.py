@@ -352,28 +352,26 @@ def _alarm(seconds: float | None) -> Iterator[None]:
         torch.set_grad_enabled(grad_mode)
 
 
-def _available_memory() -> int | None:
-    """Bytes of memory the kernel can still hand out (Linux MemAvailable), or None."""
+def _proc_kib(path: str, field: str) -> int | None:
+    """Bytes given by a 'Field:  N kB' line of a Linux /proc file, or None."""
     try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
+        with open(path) as lines:
+            for line in lines:
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory the kernel can still hand out (Linux MemAvailable), or None."""
+    return _proc_kib("/proc/meminfo", "MemAvailable")
 
 
 def _address_space() -> int | None:
     """Bytes of virtual address space this process uses now (Linux VmSize), or None."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmSize:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return _proc_kib("/proc/self/status", "VmSize")
 
 
 @contextlib.contextmanager
