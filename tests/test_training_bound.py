@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from lofast.bounds.attention import AttentionWeights, attention_sensitivity
-from lofast.bounds.estimate import attention_sensitivity_estimate, product_norm
+from lofast.bounds.estimate import (
+    attention_sensitivity_estimate,
+    product_norm,
+    row_space_factor,
+)
 from lofast.bounds.spectral import SpectralMethod
 from lofast.certify import Certifier, CertifySettings
 from lofast.config import TrainConfig, preset
@@ -47,6 +51,23 @@ def test_training_bound_agrees_with_the_certifier():
         assert (radius >= reference * (1 - 1e-4)).all(), (radius, reference)
 
 
+def test_explicit_norms_equal_the_certifiers():
+    """The per-sample score and value norms (formed from thin factors) are the certifier's
+    (whose explicit norms are upper bounds a few ulps above the exact ones). Gaussian weights:
+    a model's capped weights can have equal singular values, which would hide a swapped factor."""
+    g = torch.Generator().manual_seed(5)
+    heads, d, dh = 2, 24, 6
+    query, key, value = (torch.randn(heads, d, dh, generator=g, dtype=torch.float64)
+                         for _ in range(3))
+    output = torch.randn(heads, dh, d, generator=g, dtype=torch.float64)
+    w = AttentionWeights(query, key, value, output, residual=True, scale=dh ** 0.5)
+    tokens = torch.randn(4, 5, d, generator=g, dtype=torch.float64) / d ** 0.5
+    exact = attention_sensitivity(tokens, w, score_bound="relaxed", method=DENSE)
+    estimate, _ = attention_sensitivity_estimate(tokens, w, iterations=1)
+    for name in ("score_sensitivity", "value_norm", "score_weight_norm", "value_weight_norm"):
+        assert torch.allclose(getattr(estimate, name), getattr(exact, name), rtol=1e-6), name
+
+
 def test_warm_started_estimate_is_close_after_a_few_steps():
     """Two power steps from the previous batch's vectors: within 2 % of the dense zeta."""
     model = small_model()
@@ -68,6 +89,17 @@ def test_product_norm_matches_the_dense_norm():
     right = torch.randn(4, 6, 32, generator=g, dtype=torch.float64)
     dense = torch.linalg.matrix_norm(left @ right, ord=2)
     assert torch.allclose(product_norm(left, right), dense, rtol=1e-10)
+
+
+@pytest.mark.parametrize("rows, cols", [(6, 32), (32, 6), (8, 8)])
+def test_row_space_factor_keeps_every_product_norm(rows, cols):
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(3, rows, cols, generator=g, dtype=torch.float64)
+    left = torch.randn(3, 5, rows, generator=g, dtype=torch.float64)
+    factor = row_space_factor(weight)
+    assert factor.shape == (3, rows, min(rows, cols))
+    dense = torch.linalg.matrix_norm(left @ weight, ord=2)
+    assert torch.allclose(torch.linalg.matrix_norm(left @ factor, ord=2), dense, rtol=1e-10)
 
 
 def test_gradient_matches_finite_differences():

@@ -37,12 +37,18 @@ def top_singular_value(M: Tensor) -> Tensor:
     return top.clamp_min(SQUARED_NORM_FLOOR).sqrt()
 
 
-def product_norm(left: Tensor, right: Tensor) -> Tensor:
-    """||L R|| for thin factors L (..., d, k), R (..., k, d) with k <= d, differentiable.
+def row_space_factor(W: Tensor) -> Tensor:
+    """F (..., k, min(k, d)) with ||Y W|| = ||Y F|| for every Y, for W (..., k, d), differentiable.
 
-    With L = Q_L R_L and R^T = Q_R R_R (thin QR, orthonormal Q), ||L R|| = ||R_L R_R^T||: a k x k
-    problem instead of d x d."""
-    return top_singular_value(torch.linalg.qr(left).R @ torch.linalg.qr(right.mT).R.mT)
+    With W^T = Q R (reduced QR, orthonormal columns Q), Y W = (Y R^T) Q^T and Q^T preserves
+    the norm; for wide W (k < d) products with F are d/k times cheaper than with W."""
+    return torch.linalg.qr(W.mT).R.mT
+
+
+def product_norm(left: Tensor, right: Tensor) -> Tensor:
+    """||L R|| for thin factors L (..., d, k), R (..., k, d) with k <= d, differentiable: the k x k
+    problem ||R_L F_R|| with L = Q_L R_L (reduced QR) and F_R = row_space_factor(R)."""
+    return top_singular_value(torch.linalg.qr(left).R @ row_space_factor(right))
 
 
 def attention_sensitivity_estimate(X: Tensor, w: AttentionWeights, *, kappa: float = TIGHT_KAPPA,
@@ -72,13 +78,14 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionWeights, *, kappa: flo
                                iterations).view(X.shape)
     zeta = torch.linalg.vector_norm(apply(vector), dim=(1, 2))
 
-    score_weights = query @ key.mT  # (h, d, d)
-    # einsum keeps these single matrix products; a broadcast (B, 1, n, d) @ (h, d, d) would copy
-    # the weights once per sample
-    score = (top_singular_value(torch.einsum("bnd,hed->bhne", X, score_weights))  # X A_l^T
-             + top_singular_value(torch.einsum("bnd,hde->bhne", X, score_weights)))  # (B, h)
-    x_value = torch.einsum("bhne,hef->bhnf", torch.einsum("bnd,hde->bhne", X, value), output)
-    value_norm = top_singular_value(x_value)  # (B, h) ||X B_l||
+    # ||X A_l^T|| = ||(X Wk_l) Wq_l^T||, ||X A_l|| = ||(X Wq_l) Wk_l^T||, ||X B_l|| = ||(X Wv_l) Wo_l||:
+    # each right factor is replaced by its row-space factor, so the per-sample Gram matrices are
+    # formed from (n, dh) products instead of (n, d) ones
+    x_query, x_key, x_value = (torch.einsum("bnd,hde->bhne", X, weight)
+                               for weight in (query, key, value))  # (B, h, n, dh)
+    score = (top_singular_value(x_key @ row_space_factor(query.mT))  # X A_l^T
+             + top_singular_value(x_query @ row_space_factor(key.mT)))  # X A_l, (B, h)
+    value_norm = top_singular_value(x_value @ row_space_factor(output))  # (B, h) ||X B_l||
     sensitivity = AttentionSensitivity(
         zeta=zeta, score_sensitivity=score, value_norm=value_norm,
         score_weight_norm=product_norm(query, key.mT),
