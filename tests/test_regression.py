@@ -49,3 +49,14 @@ def test_certified_accuracy_does_not_drop(reference, certificate):
         assert measured >= reference["certified_accuracy"][key] - 1e-9, (
             f"certified accuracy at eps={key} fell to {measured:.3f} "
             f"(reference {reference['certified_accuracy'][key]:.3f})")
+
+
+def test_every_shipped_checkpoint_loads_and_is_on_the_model_card():
+    card = (SHIPPED_DIR / "README.md").read_text()
+    shipped = sorted(SHIPPED_DIR.glob("*.safetensors"))
+    assert shipped
+    x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    for path in shipped:
+        assert f"`{path.name}`" in card, f"{path.name} is not described in checkpoints/README.md"
+        with torch.no_grad():
+            assert torch.isfinite(load_checkpoint(path)(x)).all(), path.name
