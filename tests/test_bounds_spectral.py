@@ -53,7 +53,8 @@ def explicit_norm(M, kind, generator=None, **options):
 
 
 def exact_norm(M):
-    return torch.from_numpy(np.linalg.norm(M.numpy(), ord=2, axis=(1, 2)))
+    """Spectral norms of a batch (..., m, k), by numpy's LAPACK SVD (independent of torch)."""
+    return torch.from_numpy(np.linalg.norm(M.numpy(), ord=2, axis=(-2, -1)))
 
 
 def cases():
@@ -76,14 +77,18 @@ def cases():
 CASES = cases()
 
 
+@pytest.mark.parametrize("kind, tolerance", [("dense", ROUNDING_MARGIN + 1e-12),
+                                             ("verified", 2 * SLACK)])
 @pytest.mark.parametrize("name", list(CASES))
-def test_dense_is_a_tight_upper_bound(name):
+def test_deterministic_norm_is_a_tight_upper_bound(name, kind, tolerance):
+    """dense: within the rounding margin; verified (Cholesky): within (1 + 2 slack)."""
     M = CASES[name]
     exact = exact_norm(M)
-    dense = explicit_norm(M, "dense")
-    assert dense.dtype == torch.float64 and dense.shape == exact.shape
-    assert (dense >= exact).all()
-    assert (dense <= exact * (1 + ROUNDING_MARGIN + 1e-12)).all()
+    bound = explicit_norm(M, kind)
+    assert bound.dtype == torch.float64 and bound.shape == exact.shape
+    assert (bound >= exact).all()
+    assert (bound <= exact * (1 + tolerance)).all()
+    assert SpectralMethod(kind=kind).guarantee is Guarantee.DETERMINISTIC
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -215,21 +220,6 @@ def test_method_validation_and_descriptions():
 # Cholesky-verified norms: deterministic upper bounds, within (1 + 2 slack) of the exact norm.
 
 
-def dense_norm(M):
-    return torch.linalg.matrix_norm(M, ord=2)
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_verified_is_a_tight_upper_bound(name):
-    M = CASES[name]
-    exact = dense_norm(M)
-    verified = explicit_norm(M, "verified")
-    assert verified.dtype == torch.float64 and verified.shape == exact.shape
-    assert (verified >= exact).all()
-    assert (verified <= exact * (1 + 2 * SLACK)).all()
-    assert SpectralMethod(kind="verified").guarantee is Guarantee.DETERMINISTIC
-
-
 def degenerate_matrices():
     """(B, m, k) batches with awkward spectra, each with its exact norm."""
     g = torch.Generator().manual_seed(10)
@@ -249,7 +239,7 @@ def degenerate_matrices():
 @pytest.mark.parametrize("name", list(degenerate_matrices()))
 def test_verified_gram_norm_on_degenerate_batches(name):
     M = degenerate_matrices()[name]
-    exact = dense_norm(M)
+    exact = exact_norm(M)
     gram, error = spectral.gram_with_error(M)
     assert torch.equal(gram, gram.mT)
     for symmetric in (True, False):
@@ -267,7 +257,7 @@ def test_verified_gram_norm_reads_only_the_lower_triangle():
     g = torch.Generator().manual_seed(11)
     A = torch.randn(4, 90, 80, generator=g, dtype=torch.float64)
     gram, error = spectral.gram_with_error(A)
-    exact = dense_norm(A)
+    exact = exact_norm(A)
     garbage = gram.clone()
     upper = torch.triu(torch.ones(80, 80, dtype=torch.bool), diagonal=1)
     garbage[:, upper] = float("nan")
@@ -287,7 +277,7 @@ def test_verified_gram_norm_reads_only_the_lower_triangle():
 @pytest.mark.parametrize("factor", [0.0, 0.25, 0.99])
 def test_verified_retries_a_too_low_estimate(factor):
     M = degenerate_matrices()["plain"][1:]
-    exact = dense_norm(M)
+    exact = exact_norm(M)
     gram, error = spectral.gram_with_error(M)
     bound = spectral.verified_gram_norm(gram, gram_error=error, estimate=factor * exact.square())
     assert (bound >= exact).all() and (bound <= exact * (1 + 2 * SLACK)).all()
@@ -301,7 +291,7 @@ def test_verified_doubling_when_every_estimate_is_wrong(monkeypatch):
     passes = spectral._cholesky_passes
     monkeypatch.setattr(spectral, "_cholesky_passes", lambda A: calls.append(1) or passes(A))
     M = degenerate_matrices()["plain"][1:]
-    exact = dense_norm(M)
+    exact = exact_norm(M)
     gram, error = spectral.gram_with_error(M)
     bound = spectral.verified_gram_norm(gram, gram_error=error, estimate=1e-3 * exact.square())
     assert len(calls) > 3
@@ -312,7 +302,7 @@ def test_verified_margins_are_tiny_but_present():
     # a nearly exact estimate: the bound is (1 + slack) sqrt(estimate) up to the rounding
     # margins, which are far below the slack
     M = degenerate_matrices()["plain"][1:]
-    exact = dense_norm(M)
+    exact = exact_norm(M)
     gram, error = spectral.gram_with_error(M)
     bound = spectral.verified_gram_norm(gram, gram_error=error, estimate=exact.square(),
                                         relative_slack=1e-6)
