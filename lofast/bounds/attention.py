@@ -486,9 +486,13 @@ def _score_norm(x_score: Tensor, x_score_t: Tensor, method: SpectralMethod,
 
 def _probabilities(X: Tensor, query: Tensor, key: Tensor, scale: float) -> Tensor:
     """row_softmax((X Wq_l)(X Wk_l)^T / s): X (B, n, d), Wq, Wk (h, d, dh) -> (B, h, n, n)."""
-    q = torch.einsum("bnd,hde->bhne", X, query)
-    k = torch.einsum("bnd,hde->bhne", X, key)
-    return torch.softmax(q @ k.mT / scale, dim=-1)
+    return probabilities_from_projections(torch.einsum("bnd,hde->bhne", X, query),
+                                          torch.einsum("bnd,hde->bhne", X, key), scale)
+
+
+def probabilities_from_projections(x_query: Tensor, x_key: Tensor, scale: float) -> Tensor:
+    """row_softmax(Q_l K_l^T / s) for Q_l = X Wq_l, K_l = X Wk_l (B, h, n, dh) -> (B, h, n, n)."""
+    return torch.softmax(x_query @ x_key.mT / scale, dim=-1)
 
 
 def _mix(probs: Tensor, G: Tensor, first: Tensor, second: Tensor) -> Tensor:

@@ -21,8 +21,8 @@ from lofast.bounds.attention import (
     TIGHT_KAPPA,
     AttentionSensitivity,
     AttentionWeights,
-    _probabilities,
     first_order_maps,
+    probabilities_from_projections,
 )
 from lofast.bounds.spectral import Guarantee, power_iterate
 
@@ -64,7 +64,9 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionWeights, *, kappa: flo
     vectors (B, n, d), detached, to start the next call from.
     """
     query, key, value, output = (t.to(X.dtype) for t in (w.query, w.key, w.value, w.output))
-    probs = _probabilities(X, query, key, w.scale)  # (B, h, n, n)
+    x_query, x_key, x_value = (torch.einsum("bnd,hde->bhne", X, weight)
+                               for weight in (query, key, value))  # (B, h, n, dh)
+    probs = probabilities_from_projections(x_query, x_key, w.scale)  # (B, h, n, n)
 
     apply, adjoint = first_order_maps(probs, value, output, w.residual)
     if start is None or start.shape != X.shape:
@@ -81,8 +83,6 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionWeights, *, kappa: flo
     # ||X A_l^T|| = ||(X Wk_l) Wq_l^T||, ||X A_l|| = ||(X Wq_l) Wk_l^T||, ||X B_l|| = ||(X Wv_l) Wo_l||:
     # each right factor is replaced by its row-space factor, so the per-sample Gram matrices are
     # formed from (n, dh) products instead of (n, d) ones
-    x_query, x_key, x_value = (torch.einsum("bnd,hde->bhne", X, weight)
-                               for weight in (query, key, value))  # (B, h, n, dh)
     score = (top_singular_value(x_key @ row_space_factor(query.mT))  # X A_l^T
              + top_singular_value(x_query @ row_space_factor(key.mT)))  # X A_l, (B, h)
     value_norm = top_singular_value(x_value @ row_space_factor(output))  # (B, h) ||X B_l||
