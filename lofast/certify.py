@@ -55,6 +55,7 @@ class CertifySettings:
     kappa: float = 0.5  # softmax Lipschitz constant: 1/2 is tight and sound, 1 is the paper's
     method: SpectralMethod = field(default_factory=SpectralMethod)
     local_projection: bool = True  # LayerProject's local contraction (else 1-Lipschitz)
+    softmax_jacobian: bool = True  # the second-order refinement of ``bounds.attention``
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -166,8 +167,8 @@ class Certifier:
             if isinstance(spec, AttentionSpec):
                 sens: AttentionSensitivity = attention_sensitivity(
                     act, self.attention[i], kappa=self.settings.kappa, first_order=first_order,
-                    score_bound=score_bound, method=self.settings.method,
-                    generator=self.generator)
+                    score_bound=score_bound, softmax_jacobian=self.settings.softmax_jacobian,
+                    method=self.settings.method, generator=self.generator)
                 steps.append(sens)
                 guarantee = weakest_guarantee(guarantee, sens.guarantee)
                 failure += sens.failure_probability

@@ -106,6 +106,7 @@ class TrainConfig:
     eps_ramp_epochs: float = 0.0  # certified: train_eps grows linearly from 0 over these epochs
     clean_mix: float = 0.0  # certified: weight of the clean cross-entropy in the loss
     power_iterations: int = 2  # certified: power steps per batch for zeta (warm-started)
+    softmax_jacobian: bool = True  # certified: train against the certifier's refined bound
     augment: bool = True  # random crop (pad 4) and horizontal flip
     seed: int = 0
     amp: bool = True  # bfloat16 autocast on CUDA only

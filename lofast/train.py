@@ -182,7 +182,8 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
         generator.set_state(state["generator"])
         start_epoch = state["epoch"]
         history = [EpochStats(**h) for h in state["history"]]
-    bound = TrainingBound(config.power_iterations, generator=generator) \
+    bound = TrainingBound(config.power_iterations, softmax_jacobian=config.softmax_jacobian,
+                          generator=generator) \
         if config.loss == "certified" else None
     if bound is not None and state is not None:
         bound.load_state(state.get("bound", {}), device)

@@ -31,12 +31,13 @@ class TrainingBound:
     ``state``/``load_state`` save and restore them with the training state.
     """
 
-    def __init__(self, iterations: int = 2, kappa: float = 0.5,
+    def __init__(self, iterations: int = 2, kappa: float = 0.5, softmax_jacobian: bool = True,
                  generator: torch.Generator | None = None) -> None:
         if iterations < 1:
             raise LofastError("the training bound needs at least one power iteration")
         self.iterations = iterations
         self.kappa = kappa
+        self.softmax_jacobian = softmax_jacobian
         self.generator = generator
         self.vectors: dict[int, Tensor] = {}
 
@@ -69,7 +70,8 @@ class TrainingBound:
             weights = AttentionWeights(**stage.head_weights(), residual=True, scale=stage.scale)
             sensitivity, self.vectors[index] = attention_sensitivity_estimate(
                 act, weights, kappa=self.kappa, start=self.vectors.get(index),
-                iterations=self.iterations, generator=self.generator)
+                iterations=self.iterations, softmax_jacobian=self.softmax_jacobian,
+                generator=self.generator)
             return sensitivity.delta(radius[:, None])[:, 0].to(radius.dtype)
         if isinstance(stage, SLL):
             return radius

@@ -151,6 +151,10 @@ def test_bound_variants_are_ordered(trained):
     assert (radii["lofast", 0.5] >= radii["lofast", 1.0] - 1e-9).all()
     plain = CertifySettings(local_projection=False, method=SpectralMethod(kind="dense"))
     assert (radii["lofast", 0.5] >= Certifier(model, plain).certify(x, y).radius() - 1e-9).all()
+    # the default second-order refinement only ever adds to the radius
+    unrefined = CertifySettings(softmax_jacobian=False, method=SpectralMethod(kind="dense"))
+    assert (radii["lofast", 0.5]
+            >= Certifier(model, unrefined).certify(x, y).radius() - 1e-9).all()
 
 
 def test_bad_inputs(trained):

@@ -163,6 +163,21 @@ def test_certify_summary_jsonl_and_resume(checkpoint, data_dir, tmp_path):
     assert json.loads(result.stdout)["samples"] == 16
 
 
+def test_certify_softmax_jacobian_switch(checkpoint, data_dir):
+    base = ["certify", "--checkpoint", str(checkpoint), "--data", str(data_dir), "--eps", "0.05",
+            "--eps", "0.2", "--n", "8", "--device", "cpu", "--json"]
+    summaries = {}
+    for flag in ("--softmax-jacobian", "--no-softmax-jacobian"):
+        result = CliRunner().invoke(cli, base + [flag])
+        assert result.exit_code == 0, result.output
+        summaries[flag] = json.loads(result.stdout)
+    assert summaries["--softmax-jacobian"]["bound"] == "lofast + softmax Jacobian"
+    assert summaries["--no-softmax-jacobian"]["bound"] == "lofast"
+    for key in ("0.05", "0.2"):  # the refinement never certifies less
+        assert (summaries["--softmax-jacobian"]["certified_accuracy"][key]
+                >= summaries["--no-softmax-jacobian"]["certified_accuracy"][key])
+
+
 def test_certify_table_output(checkpoint, data_dir):
     result = CliRunner().invoke(cli, ["certify", "--checkpoint", str(checkpoint), "--data",
                                       str(data_dir), "--eps", "0.05", "--n", "8",

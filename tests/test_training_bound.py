@@ -68,6 +68,32 @@ def test_explicit_norms_equal_the_certifiers():
         assert torch.allclose(getattr(estimate, name), getattr(exact, name), rtol=1e-6), name
 
 
+def test_softmax_first_order_estimate_converges_to_the_certifiers():
+    """The refinement's ||D_X|| by power steps (with gradients) approaches the dense value from
+    below, and the refined delta is never above the unrefined one."""
+    g = torch.Generator().manual_seed(6)
+    heads, d, dh = 2, 16, 4
+    query, key, value = (torch.randn(heads, d, dh, generator=g, dtype=torch.float64)
+                         for _ in range(3))
+    output = torch.randn(heads, dh, d, generator=g, dtype=torch.float64)
+    query.requires_grad_(True)
+    w = AttentionWeights(query, key, value, output, residual=True, scale=dh ** 0.5)
+    tokens = torch.randn(3, 5, d, generator=g, dtype=torch.float64) / d ** 0.5
+    exact = attention_sensitivity(tokens, w, score_bound="relaxed", softmax_jacobian=True,
+                                  method=DENSE)
+    estimate, vectors = attention_sensitivity_estimate(tokens, w, iterations=500,
+                                                       softmax_jacobian=True)
+    assert vectors.shape == (3, 2, 5, d)
+    ratio = estimate.softmax_first_order / exact.softmax_first_order
+    assert (ratio <= 1 + 1e-9).all() and (ratio >= 1 - 1e-4).all(), ratio
+    eps = torch.tensor([0.01, 0.1, 1.0], dtype=torch.float64).expand(3, -1)
+    unrefined, _ = attention_sensitivity_estimate(tokens, w, iterations=500)
+    assert (estimate.delta(eps) <= unrefined.delta(eps) * (1 + 1e-9)).all()
+    assert (estimate.delta(eps)[:, 0] < unrefined.delta(eps)[:, 0]).all()
+    (grad,) = torch.autograd.grad(estimate.softmax_first_order.sum(), query)
+    assert grad.abs().sum() > 0
+
+
 def test_warm_started_estimate_is_close_after_a_few_steps():
     """Two power steps from the previous batch's vectors: within 2 % of the dense zeta."""
     model = small_model()

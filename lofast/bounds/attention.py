@@ -11,6 +11,28 @@ with zeta = ||T_X||, T_X(G) = H G + sum_l P_l G B_l (Lemma 1), m_l = ||M_l||,
 M_l(G) = G A_l X^T + X A_l G^T (Lemma 2) or its relaxation xi_l = ||A_l X^T|| + ||X A_l||, and
 kappa a Lipschitz constant of the row softmax (1 in the paper; 1/2 is tight and sound).
 
+Second-order refinement (ours, optional). Expanding the softmax to first order exactly, with
+E_l = (G A_l X^T + X A_l G^T + G A_l G^T) / s the change of the scaled scores and J_l the
+row-wise softmax Jacobian at X,
+
+    P_l(X') X' B_l - P_l X B_l = P_l G B_l + J_l(E1_l) X B_l              (linear in G)
+                                 + J_l(G A_l G^T / s) X B_l + R_l X B_l + (P_l(X') - P_l) G B_l
+
+(E1_l the part of E_l linear in G), where the Taylor remainder of the softmax obeys
+||R_l||_F <= ||E_l||_F^2 / 2: per row, D^2 p[e, e]_i = p_i ((e_i - p.e)^2 - Var_p(e)), so
+||D^2 p[e, e]||_2 <= sum_i p_i |...| <= 2 Var_p(e) <= ||e||^2 (Popoviciu), and the integral
+remainder carries 1/2; over rows, sum ||e_r||^4 <= (sum ||e_r||^2)^2. With
+||E_l||_F <= eps rho_l, rho_l = (m_l + eps ||A_l||) / s, this gives
+
+    ||F(X') - F(X)||_F <= (zeta + zeta_s) eps
+                          + eps^2 sum_l (kappa ||A_l|| ||X B_l|| / s + rho_l^2 ||X B_l|| / 2
+                                         + kappa rho_l ||B_l||)
+
+with zeta_s = ||D_X||, D_X(G) = sum_l J_l(G A_l X^T + X A_l G^T) X B_l / s. It replaces the
+first-order part (kappa eps / s) sum_l m_l ||X B_l|| of delta_2, a product of norms, by the norm
+of the operator it bounds (often 10x smaller), at the price of terms in eps^2. Both bounds hold,
+so ``AttentionSensitivity.delta`` takes their minimum (still nondecreasing in eps).
+
 All quantities are float64 and computed once per sample; ``AttentionSensitivity.delta`` then
 evaluates the bound for any radii.
 """
@@ -49,6 +71,10 @@ DEVICE_WORKSPACE_ELEMENTS = 1 << 26
 TIGHT_KAPPA = 0.5
 
 DEFAULT_METHOD = SpectralMethod()  # randomized Lanczos (frozen, safe to share)
+
+# The second-order refinement computes ||D_X|| only where its cheap upper bound exceeds this
+# fraction of zeta (below it, the refinement could change the bound by less than that fraction).
+SOFTMAX_NEGLIGIBLE = 1e-3
 
 # The verified zeta works on explicit nd x nd Gram matrices (3.3 MB each for nd = 640). On a CPU
 # a chunk of samples should keep them in the last-level cache (2^22 elements = 32 MiB): the
@@ -149,13 +175,16 @@ class AttentionSensitivity:
     kappa: float  # softmax Lipschitz constant used (1 = paper, 0.5 = tight)
     guarantee: Guarantee = Guarantee.DETERMINISTIC
     failure_probability: float = 0.0
+    softmax_first_order: Tensor | None = None  # (B,) zeta_s >= ||D_X||: enables the refinement
 
     def delta(self, eps: Tensor) -> Tensor:
         """Bound on ||F(X') - F(X)||_F over ||X' - X||_F <= eps.
 
         eps: (B,) or (B, E) radii >= 0. Returns the same shape:
         zeta eps + sum_l (kappa eps / s)(m_l + eps ||A_l||)(||X B_l|| + eps ||B_l||), a
-        polynomial in eps with nonnegative coefficients, hence nondecreasing in eps.
+        polynomial in eps with nonnegative coefficients, hence nondecreasing in eps; with
+        ``softmax_first_order`` set, the minimum of that and the second-order refinement (see
+        the module docstring), also nondecreasing.
         """
         if eps.dim() not in (1, 2) or eps.shape[0] != self.zeta.shape[0]:
             raise ValueError(f"eps must have shape (B,) or (B, E) with B = {self.zeta.shape[0]}, "
@@ -167,7 +196,24 @@ class AttentionSensitivity:
         value = self.value_norm[(slice(None), *extra, slice(None))]
         e = eps[..., None]
         second = (score + e * self.score_weight_norm) * (value + e * self.value_weight_norm)
-        return zeta * eps + (self.kappa / self.scale) * eps * second.sum(dim=-1)
+        lipschitz = zeta * eps + (self.kappa / self.scale) * eps * second.sum(dim=-1)
+        if self.softmax_first_order is None:
+            return lipschitz
+        softmax = self.softmax_first_order[(slice(None), *extra)]
+        refined = (zeta + softmax) * eps + self.second_order_terms(eps)
+        return torch.minimum(lipschitz, refined)
+
+    def second_order_terms(self, eps: Tensor) -> Tensor:
+        """eps^2 sum_l (kappa ||A_l|| ||X B_l|| / s + rho_l^2 ||X B_l|| / 2 + kappa rho_l ||B_l||),
+        rho_l = (m_l + eps ||A_l||) / s: a bound on ||F(X') - F(X) - J_X (X' - X)||_F with J_X
+        the block's Jacobian at X (= T_X + D_X). eps (B,) or (B, E) float64 -> same shape."""
+        extra = (None,) * (eps.dim() - 1)
+        score = self.score_sensitivity[(slice(None), *extra, slice(None))]
+        value = self.value_norm[(slice(None), *extra, slice(None))]
+        rate = (score + eps[..., None] * self.score_weight_norm) / self.scale  # rho_l
+        quadratic = (self.kappa * self.score_weight_norm / self.scale * value
+                     + 0.5 * rate.square() * value + self.kappa * rate * self.value_weight_norm)
+        return eps.square() * quadratic.sum(dim=-1)
 
 
 def attention_probabilities(X: Tensor, w: AttentionWeights) -> Tensor:
@@ -186,6 +232,7 @@ def attention_forward(X: Tensor, w: AttentionWeights) -> Tensor:
 
 def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
                           first_order: str = "lofast", score_bound: str = "exact",
+                          softmax_jacobian: bool = False,
                           method: SpectralMethod = DEFAULT_METHOD,
                           generator: torch.Generator | None = None) -> AttentionSensitivity:
     """The LoFAST quantities of one block at clean tokens X (B, n, d).
@@ -193,6 +240,8 @@ def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
     first_order: "lofast" (zeta = ||T_X||, exact by Lemma 1) or "naive" (eq. 12:
     ||H|| + sum_l ||B_l|| ||P_l(X)||). score_bound: "exact" (m_l = ||M_l||, delta_2^(1)) or
     "relaxed" (xi_l = ||A_l X^T|| + ||X A_l||, delta_2^(2)). kappa >= 1/2: the softmax constant.
+    softmax_jacobian: also bound zeta_s = ||D_X|| (one more matrix-free norm per sample) for the
+    second-order refinement of the module docstring.
 
     The matrix-free norms ||T_X|| and ||M_l|| use ``method``; every explicit matrix norm
     (||X B_l||, ||A_l X^T||, ||X A_l||, ||P_l||, ||A_l||, ||B_l||) is a deterministic upper bound
@@ -215,7 +264,8 @@ def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
     x_score = torch.einsum("bnd,hde->bhne", X, score_weights)  # (B, h, n, d) X A_l
     probs = _probabilities(X, query, key, w.scale)  # (B, h, n, n)
     x_value = torch.einsum("bnd,hde->bhne", X, value)  # (B, h, n, dv) X Wv_l
-    value_norm = matrix_norm_upper(torch.einsum("bhne,hef->bhnf", x_value, output))  # ||X B_l||
+    x_value_out = torch.einsum("bhne,hef->bhnf", x_value, output)  # (B, h, n, d) X B_l
+    value_norm = matrix_norm_upper(x_value_out)  # ||X B_l||
     same_device = w.query.device == device
     score_weight_norm, value_weight_norm = (
         w.weight_norms if same_device else (matrix_norm_upper(score_weights),
@@ -240,6 +290,21 @@ def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
     else:
         score = matrix_norm_upper(x_score_t) + matrix_norm_upper(x_score)
 
+    softmax = None
+    if softmax_jacobian:
+        # ||D_X|| <= sum_l ||J_l|| m_l ||X B_l|| / s with ||J_l|| <= 1/2; the operator norm is
+        # computed only where this cheap bound is not already negligible next to zeta
+        softmax = (score * value_norm).sum(dim=1) / (2.0 * w.scale)
+        rows = softmax > SOFTMAX_NEGLIGIBLE * zeta
+        if rows.any():
+            x_query = torch.einsum("bnd,hde->bhne", X[rows], query)
+            x_key = torch.einsum("bnd,hde->bhne", X[rows], key)
+            exact = _softmax_first_order_norm(probs[rows], x_query, x_key, x_value_out[rows],
+                                              query, key, score[rows], w.scale, method,
+                                              generator)
+            softmax[rows] = torch.minimum(softmax[rows], exact)
+        matrix_free += 1
+
     guarantee = method.guarantee if matrix_free else Guarantee.DETERMINISTIC
     failure = (matrix_free * method.failure_probability
                if guarantee is Guarantee.PROBABILISTIC else 0.0)
@@ -247,7 +312,40 @@ def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
                                 score_weight_norm=score_weight_norm,
                                 value_weight_norm=value_weight_norm, scale=float(w.scale),
                                 kappa=float(kappa), guarantee=guarantee,
-                                failure_probability=failure)
+                                failure_probability=failure, softmax_first_order=softmax)
+
+
+def _softmax_first_order_norm(probs: Tensor, x_query: Tensor, x_key: Tensor, x_value_out: Tensor,
+                              query: Tensor, key: Tensor, score: Tensor, scale: float,
+                              method: SpectralMethod,
+                              generator: torch.Generator | None) -> Tensor:
+    """zeta_s >= ||D_X|| per sample (B,), D_X(G) = sum_l J_l(G A_l X^T + X A_l G^T) X B_l / s.
+
+    probs (B, h, n, n); x_query, x_key (B, h, n, dh) X Wq_l, X Wk_l; x_value_out (B, h, n, d)
+    X B_l; query, key (h, d, dh); score (B, h) upper bounds on ||M_l||. The guarantee is the
+    method's.
+
+    D_X(G) = E(G) Y with E(G) = [J_1(E1_1) ... J_h(E1_h)] (n x hn) and Y = [X B_1; ...; X B_h]
+    (hn x d). With Y^T = Q R (Householder QR, R: k x hn, k = min(d, hn)), ||E Y||_F = ||E R^T||_F,
+    so the norm is taken of the map into n x k (200 outputs instead of 640 for paper-d3).
+    Rounding of the QR: Y + dY = R^T Q^T with Q exactly orthonormal and
+    ||dY||_F <= gamma~ ||Y||_F (Higham, Thm 19.4); ||E(G)||_F <= sqrt(sum_l (m_l / 2)^2) ||G||_F
+    (||J_l|| <= 1/2), so adding gamma~ ||Y||_F sqrt(sum_l (m_l / 2)^2) / s covers it.
+    """
+    batch, heads, n, d = x_value_out.shape
+    stacked = x_value_out.reshape(batch, heads * n, d)
+    factor = torch.linalg.qr(stacked.mT).R.mT.reshape(batch, heads, n, -1)  # R^T, per head
+    k = factor.shape[-1]
+    parts = []
+    for rows in _chunks(batch, working_elements(method, n * d, n * k), probs.device):
+        p = probs[rows]
+        apply, adjoint = softmax_first_order_maps(p, x_query[rows], x_key[rows], query, key,
+                                                  factor[rows], scale)
+        parts.append(operator_norm(apply, adjoint, (n, d), p.shape[0], method,
+                                   device=probs.device, generator=generator))
+    qr_error = (gamma(64 * d * heads * n) * torch.linalg.vector_norm(stacked, dim=(1, 2))
+                * torch.linalg.vector_norm(score / 2, dim=1) / scale)
+    return (torch.cat(parts) + qr_error) * (1.0 + 2.0 ** -40)
 
 
 def _first_order_norm(X: Tensor, probs: Tensor, value: Tensor, output: Tensor, residual: bool,
@@ -482,6 +580,33 @@ def _score_norm(x_score: Tensor, x_score_t: Tensor, method: SpectralMethod,
         parts.append(operator_norm(apply, adjoint, (n, d), a.shape[0], method,
                                    device=xa.device, generator=generator))
     return torch.cat(parts).reshape(batch, heads)
+
+
+def softmax_first_order_maps(probs: Tensor, x_query: Tensor, x_key: Tensor, query: Tensor,
+                             key: Tensor, right: Tensor, scale: float) -> tuple[LinearMap,
+                                                                                LinearMap]:
+    """G -> sum_l J_l(G A_l X^T + X A_l G^T) right_l / s (n x d -> n x k) and its adjoint.
+
+    probs (B, h, n, n); x_query, x_key (B, h, n, dh) X Wq_l, X Wk_l; query, key (h, d, dh);
+    right (B, h, n, k): X B_l gives D_X itself, a factor R_l^T with the same Gram matrix
+    [R_1^T; ...] [R_1^T; ...]^T as [X B_1; ...] gives a map of the same norm. J_l is the
+    row-wise softmax Jacobian diag(p) - p p^T, self-adjoint."""
+
+    def jacobian(E: Tensor) -> Tensor:
+        weighted = probs * E
+        return weighted - probs * weighted.sum(dim=-1, keepdim=True)
+
+    def apply(G: Tensor) -> Tensor:
+        scores = (torch.einsum("bnd,hde->bhne", G, query) @ x_key.mT
+                  + x_query @ torch.einsum("bnd,hde->bhne", G, key).mT)  # E1_l (B, h, n, n)
+        return torch.einsum("bhij,bhjk->bik", jacobian(scores), right) / scale
+
+    def adjoint(Z: Tensor) -> Tensor:
+        mixed = jacobian(torch.einsum("bik,bhjk->bhij", Z, right) / scale)
+        return (torch.einsum("bhij,bhje,hde->bid", mixed, x_key, query)
+                + torch.einsum("bhji,bhje,hde->bid", mixed, x_query, key))
+
+    return apply, adjoint
 
 
 def _probabilities(X: Tensor, query: Tensor, key: Tensor, scale: float) -> Tensor:

@@ -23,6 +23,7 @@ from lofast.bounds.attention import (
     AttentionWeights,
     first_order_maps,
     probabilities_from_projections,
+    softmax_first_order_maps,
 )
 from lofast.bounds.spectral import Guarantee, power_iterate
 
@@ -53,32 +54,44 @@ def product_norm(left: Tensor, right: Tensor) -> Tensor:
 
 def attention_sensitivity_estimate(X: Tensor, w: AttentionWeights, *, kappa: float = TIGHT_KAPPA,
                                    start: Tensor | None = None, iterations: int = 2,
+                                   softmax_jacobian: bool = False,
                                    generator: torch.Generator | None = None,
                                    ) -> tuple[AttentionSensitivity, Tensor]:
     """The quantities of the certifier's default bound ("lofast": zeta and the relaxed score term
     xi_l = ||A_l X^T|| + ||X A_l||) at tokens X (B, n, d), in X's dtype, with gradients with
-    respect to X and the weights.
+    respect to X and the weights; with ``softmax_jacobian`` also zeta_s = ||D_X|| of the
+    second-order refinement, by power steps of its own.
 
-    start: (B, n, d) initial vectors of the power iteration (e.g. the previous batch's; random
-    when None or of another shape). Returns the sensitivity, marked ESTIMATE, and the final
-    vectors (B, n, d), detached, to start the next call from.
+    start: (B, V, n, d) initial vectors of the power iterations, V = 2 with the refinement and 1
+    without (e.g. the previous batch's; random when None or of another shape). Returns the
+    sensitivity, marked ESTIMATE, and the final vectors (B, V, n, d), detached, to start the
+    next call from.
     """
     query, key, value, output = (t.to(X.dtype) for t in (w.query, w.key, w.value, w.output))
     x_query, x_key, x_value = (torch.einsum("bnd,hde->bhne", X, weight)
                                for weight in (query, key, value))  # (B, h, n, dh)
     probs = probabilities_from_projections(x_query, x_key, w.scale)  # (B, h, n, n)
 
-    apply, adjoint = first_order_maps(probs, value, output, w.residual)
-    if start is None or start.shape != X.shape:
-        start = torch.randn(X.shape, generator=generator, dtype=torch.float32,
+    maps = [first_order_maps(probs, value, output, w.residual)]
+    if softmax_jacobian:
+        x_value_out = torch.einsum("bhne,hef->bhnf", x_value, output)  # (B, h, n, d) X B_l
+        maps.append(softmax_first_order_maps(probs, x_query, x_key, query, key, x_value_out,
+                                             w.scale))
+    shape = (X.shape[0], len(maps), *X.shape[1:])
+    if start is None or start.shape != shape:
+        start = torch.randn(shape, generator=generator, dtype=torch.float32,
                             device=generator.device if generator is not None else X.device)
-    start = start.to(X).flatten(1)
-    start = start / torch.linalg.vector_norm(start, dim=1, keepdim=True).clamp_min(
-        SQUARED_NORM_FLOOR)
-    with torch.no_grad():
-        vector = power_iterate(lambda v: adjoint(apply(v.view(X.shape))).flatten(1), start,
-                               iterations).view(X.shape)
-    zeta = torch.linalg.vector_norm(apply(vector), dim=(1, 2))
+    start = start.to(X)
+    vectors, norms = [], []
+    for k, (apply, adjoint) in enumerate(maps):
+        v = start[:, k].flatten(1)
+        v = v / torch.linalg.vector_norm(v, dim=1, keepdim=True).clamp_min(SQUARED_NORM_FLOOR)
+        with torch.no_grad():
+            v = power_iterate(lambda u, apply=apply, adjoint=adjoint:
+                              adjoint(apply(u.view(X.shape))).flatten(1),
+                              v, iterations).view(X.shape)
+        vectors.append(v)
+        norms.append(torch.linalg.vector_norm(apply(v), dim=(1, 2)))
 
     # ||X A_l^T|| = ||(X Wk_l) Wq_l^T||, ||X A_l|| = ||(X Wq_l) Wk_l^T||, ||X B_l|| = ||(X Wv_l) Wo_l||:
     # each right factor is replaced by its row-space factor, so the per-sample Gram matrices are
@@ -87,9 +100,10 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionWeights, *, kappa: flo
              + top_singular_value(x_query @ row_space_factor(key.mT)))  # X A_l, (B, h)
     value_norm = top_singular_value(x_value @ row_space_factor(output))  # (B, h) ||X B_l||
     sensitivity = AttentionSensitivity(
-        zeta=zeta, score_sensitivity=score, value_norm=value_norm,
+        zeta=norms[0], score_sensitivity=score, value_norm=value_norm,
         score_weight_norm=product_norm(query, key.mT),
         value_weight_norm=product_norm(value, output), scale=float(w.scale),
-        kappa=float(kappa), guarantee=Guarantee.ESTIMATE)
-    return sensitivity, vector.detach()
+        kappa=float(kappa), guarantee=Guarantee.ESTIMATE,
+        softmax_first_order=norms[1] if softmax_jacobian else None)
+    return sensitivity, torch.stack(vectors, dim=1).detach()
 

@@ -65,6 +65,9 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
               help="--loss certified: weight of clean cross-entropy in the loss (0 to 1).")
 @click.option("--power-iterations", type=click.IntRange(min=1), default=2, show_default=True,
               help="--loss certified: power steps per batch for zeta (warm-started).")
+@click.option("--softmax-jacobian/--no-softmax-jacobian", default=True, show_default=True,
+              help="--loss certified: include the second-order refinement of the softmax term "
+                   "(as `lofast certify` does by default); one more power iteration per block.")
 @click.option("--temperature", type=float, default=1.0, show_default=True)
 @click.option("--augment/--no-augment", default=True, show_default=True,
               help="Random crop and horizontal flip.")
@@ -80,7 +83,7 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
               help="Continue from OUT.state.pt if an earlier run was interrupted.")
 def train(dataset, data_path, download, preset, model_options, epochs, batch_size, lr,
           weight_decay, warmup_epochs, schedule, loss, margin, train_eps, eps_ramp_epochs,
-          clean_mix, power_iterations, temperature, augment, seed, device, amp, limit, out,
+          clean_mix, power_iterations, softmax_jacobian, temperature, augment, seed, device, amp, limit, out,
           resume) -> None:
     """Train a Lipschitz ViT on a data set and save it as a checkpoint."""
     import torch
@@ -101,6 +104,7 @@ def train(dataset, data_path, download, preset, model_options, epochs, batch_siz
                          warmup_epochs=warmup_epochs, schedule=schedule, loss=loss,
                          margin=margin, train_eps=train_eps, eps_ramp_epochs=eps_ramp_epochs,
                          clean_mix=clean_mix, power_iterations=power_iterations,
+                         softmax_jacobian=softmax_jacobian,
                          temperature=temperature, augment=augment, seed=seed, amp=amp)
     train_set = load_dataset(data_path, "train", dataset, download=download)
     test_set = load_dataset(data_path, "test", dataset)
