@@ -262,7 +262,9 @@ def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
     # einsum keeps these single matrix products; a broadcast (B, 1, n, d) @ (h, d, d) would copy
     # the weights once per sample
     x_score = torch.einsum("bnd,hde->bhne", X, score_weights)  # (B, h, n, d) X A_l
-    probs = _probabilities(X, query, key, w.scale)  # (B, h, n, n)
+    x_query = torch.einsum("bnd,hde->bhne", X, query)  # (B, h, n, dh) X Wq_l
+    x_key = torch.einsum("bnd,hde->bhne", X, key)  # (B, h, n, dh) X Wk_l
+    probs = probabilities_from_projections(x_query, x_key, w.scale)  # (B, h, n, n)
     x_value = torch.einsum("bnd,hde->bhne", X, value)  # (B, h, n, dv) X Wv_l
     x_value_out = torch.einsum("bhne,hef->bhnf", x_value, output)  # (B, h, n, d) X B_l
     value_norm = matrix_norm_upper(x_value_out)  # ||X B_l||
@@ -297,11 +299,9 @@ def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
         softmax = (score * value_norm).sum(dim=1) / (2.0 * w.scale)
         rows = softmax > SOFTMAX_NEGLIGIBLE * zeta
         if rows.any():
-            x_query = torch.einsum("bnd,hde->bhne", X[rows], query)
-            x_key = torch.einsum("bnd,hde->bhne", X[rows], key)
-            exact = _softmax_first_order_norm(probs[rows], x_query, x_key, x_value_out[rows],
-                                              query, key, score[rows], w.scale, method,
-                                              generator)
+            exact = _softmax_first_order_norm(probs[rows], x_query[rows], x_key[rows],
+                                              x_value_out[rows], query, key, score[rows],
+                                              w.scale, method, generator)
             softmax[rows] = torch.minimum(softmax[rows], exact)
         matrix_free += 1
 
