@@ -58,7 +58,7 @@ import torch
 
 from lofast.bounds.spectral import SpectralMethod
 from lofast.certify import Certifier, CertifySettings
-from lofast.checkpoint import default_checkpoint_path, load_checkpoint
+from lofast.checkpoint import default_checkpoint_path, file_digest, load_checkpoint
 from lofast.cli.certify_cmd import GUARANTEES, default_batch_size
 from lofast.crown import INSTALL_HINT, METHODS, crown_available, crown_verify
 from lofast.data import load_dataset
@@ -93,14 +93,6 @@ def parse_eps(values: list[str]) -> list[float]:
                 raise SystemExit(f"--eps: {part!r} is not a positive number")
             eps.add(number)
     return sorted(eps)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def sync(device: torch.device) -> None:
@@ -399,7 +391,7 @@ def main() -> None:
     lofast = run_lofast(model, x, y, eps, settings, device, batch_size)
     log(f"  {lofast['seconds']:.2f} s ({lofast['seconds'] / n:.3f} s/sample)")
 
-    checkpoint_hash = sha256_file(Path(checkpoint))
+    checkpoint_hash = file_digest(checkpoint)
     fingerprint = hashlib.sha256(json.dumps({
         "checkpoint": checkpoint_hash, "method": args.method, "dtype": args.crown_dtype,
         "timeout": args.timeout, "device": env["device"], "device_name": env["device_name"],

@@ -64,6 +64,10 @@ class CertifySettings:
         if self.kappa not in (0.5, 1.0):
             raise CertificationError("kappa must be 0.5 (tight) or 1 (the paper's)")
 
+    def describe(self) -> str:
+        """The bound's name, as summaries report it."""
+        return f"{self.bound} + softmax Jacobian" if self.softmax_jacobian else self.bound
+
 
 @dataclass
 class BatchCertificate:

@@ -6,6 +6,7 @@ target only when complete, so an interrupt never leaves a half-written checkpoin
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -106,6 +107,15 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 DEFAULT_CHECKPOINT = "lofast-default.safetensors"
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """SHA-256 of a file's bytes (hex), read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def default_checkpoint_path() -> Path:

@@ -9,6 +9,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rich.table import Table
 
@@ -36,6 +37,9 @@ class SampleRecord:
     rule: str = "pairwise-head"  # z_y - z_j > ||w_y - w_j|| delta_h for all j
     seconds: float = 0.0  # time spent on this sample (its share of the batch, all stages)
     fallback_seconds: dict[str, float] = field(default_factory=dict)
+    # What the verdicts depend on (checkpoint and data digests, bound, guarantee, fallback):
+    # a resumed run must match it, so that one file never mixes two runs' certificates.
+    run: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), allow_nan=False)
@@ -43,16 +47,18 @@ class SampleRecord:
 
 class RecordWriter:
     """Appends records to a JSONL file and flushes each batch, so an interrupt loses nothing
-    that was finished. With resume, records already in the file are kept and reported."""
+    that was finished. With resume, records already in the file are kept and reported; they
+    must have been made with the same eps values and run settings."""
 
-    def __init__(self, path: Path | None, resume: bool, eps: Sequence[float]) -> None:
+    def __init__(self, path: Path | None, resume: bool, eps: Sequence[float],
+                 run: dict[str, Any]) -> None:
         self.path = path
         self.done: dict[int, SampleRecord] = {}
         if path is None:
             self.handle = None
             return
         if resume and path.is_file():
-            self.done = read_records(path, eps)
+            self.done = read_records(path, eps, run)
             self._rewrite_clean()
         elif path.exists() and not resume:
             raise LofastError(f"{path} exists; pass --resume to continue it or choose another --out")
@@ -80,9 +86,9 @@ class RecordWriter:
             self.handle.close()
 
 
-def read_records(path: Path, eps: Sequence[float]) -> dict[int, SampleRecord]:
+def read_records(path: Path, eps: Sequence[float], run: dict[str, Any]) -> dict[int, SampleRecord]:
     """Records of a JSONL file by index; a torn final line is ignored, a file made for other
-    eps values is refused."""
+    eps values or other run settings is refused."""
     records: dict[int, SampleRecord] = {}
     lines = path.read_text(encoding="utf-8").splitlines()
     for number, line in enumerate(lines, 1):
@@ -95,6 +101,12 @@ def read_records(path: Path, eps: Sequence[float]) -> dict[int, SampleRecord]:
         if set(record.verdicts) != {eps_key(e) for e in eps}:
             raise LofastError(f"{path}: was written for eps {sorted(record.verdicts)}; "
                               "resume with the same --eps values")
+        if record.run != run:
+            changed = [k for k in sorted(set(record.run) | set(run))
+                       if record.run.get(k) != run.get(k)]
+            detail = ", ".join(f"{k} {record.run.get(k)} (now {run.get(k)})" for k in changed)
+            raise LofastError(f"{path}: was written with other settings: {detail}; resume with "
+                              "the same settings or choose another --out")
         records[record.index] = record
     return records
 

@@ -163,6 +163,41 @@ def test_certify_summary_jsonl_and_resume(checkpoint, data_dir, tmp_path):
     assert json.loads(result.stdout)["samples"] == 16
 
 
+@pytest.mark.parametrize("change, named", [
+    (["--no-softmax-jacobian"], "bound lofast + softmax Jacobian (now lofast)"),
+    (["--kappa", "1"], "kappa 0.5 (now 1.0)"),
+    (["--split", "train"], "data"),
+    (["--guarantee", "probabilistic"], "guarantee exact (now probabilistic)"),
+])
+def test_certify_resume_refuses_other_settings(checkpoint, data_dir, tmp_path, change, named):
+    out = tmp_path / "r.jsonl"
+    base = ["certify", "--checkpoint", str(checkpoint), "--data", str(data_dir), "--eps", "0.05",
+            "--n", "4", "--device", "cpu", "--out", str(out)]
+    runner = CliRunner()
+    assert runner.invoke(cli, base).exit_code == 0
+    before = out.read_text()
+    result = runner.invoke(cli, base + ["--resume"] + change)
+    assert result.exit_code == 1
+    assert "other settings" in result.output and named in result.output
+    assert "Traceback" not in result.output
+    assert out.read_text() == before  # nothing lost or appended
+
+
+def test_certify_resume_refuses_other_checkpoint(checkpoint, data_dir, tmp_path):
+    out = tmp_path / "r.jsonl"
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(checkpoint.read_bytes())
+    base = ["certify", "--data", str(data_dir), "--eps", "0.05", "--n", "4", "--device", "cpu",
+            "--out", str(out)]
+    runner = CliRunner()
+    assert runner.invoke(cli, base + ["--checkpoint", str(checkpoint)]).exit_code == 0
+    # a byte-identical copy is the same model: resuming from it is allowed
+    assert runner.invoke(cli, base + ["--checkpoint", str(other), "--resume"]).exit_code == 0
+    other.write_bytes(checkpoint.read_bytes() + b" ")
+    result = runner.invoke(cli, base + ["--checkpoint", str(other), "--resume"])
+    assert result.exit_code == 1 and "checkpoint" in result.output
+
+
 def test_certify_softmax_jacobian_switch(checkpoint, data_dir):
     base = ["certify", "--checkpoint", str(checkpoint), "--data", str(data_dir), "--eps", "0.05",
             "--eps", "0.2", "--n", "8", "--device", "cpu", "--json"]

@@ -93,7 +93,12 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
 
     from lofast.bounds.spectral import SpectralMethod
     from lofast.certify import Certifier, CertifySettings
-    from lofast.checkpoint import default_checkpoint_path, load_checkpoint, read_metadata
+    from lofast.checkpoint import (
+        default_checkpoint_path,
+        file_digest,
+        load_checkpoint,
+        read_metadata,
+    )
     from lofast.data import load_dataset
     from lofast.data.sample import class_balanced_order, load_bundled_sample
     from lofast.errors import LofastError
@@ -127,7 +132,10 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
                                softmax_jacobian=softmax_jacobian,
                                method=SpectralMethod(kind=GUARANTEES[guarantee]))
     certifier = Certifier(model, settings, dev)
-    writer = RecordWriter(out, resume, eps)
+    run = {"checkpoint": file_digest(checkpoint)[:16], "data": f"{data.digest()[:16]} ({split})",
+           "bound": settings.describe(), "kappa": float(kappa), "guarantee": guarantee,
+           "fallback": fallback, "fallback_timeout": fallback_timeout, "seed": seed}
+    writer = RecordWriter(out, resume, eps, run)
     todo = [int(i) for i in order if int(i) not in writer.done]
     records = list(writer.done.values())
     if writer.done:
@@ -159,7 +167,7 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
                         bounds={eps_key(e): float(feature[b, k]) for k, e in enumerate(eps)},
                         verifiers={eps_key(e): "lofast" if verdicts[b, k] else None
                                    for k, e in enumerate(eps)},
-                        seconds=per_sample)
+                        seconds=per_sample, run=run)
                     for b, i in enumerate(index)]
                 if fallback != "none":
                     run_fallback(model, x, batch_records, eps, fallback, fallback_timeout)
@@ -173,8 +181,7 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
     if failure_probability > 0:
         guarantee_text += f"; per-sample failure probability <= {failure_probability:.1e}"
     summary = summarize(records, eps, time.perf_counter() - started, guarantee_text,
-                        f"{bound} + softmax Jacobian" if softmax_jacobian else bound,
-                        float(kappa), str(dev))
+                        settings.describe(), float(kappa), str(dev))
     if as_json:
         click.echo(json.dumps(summary.to_dict(), indent=2))
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,6 +71,14 @@ class ImageDataset:
             raise ValueError(f"k must be >= 0, got {k}")
         picked = [np.flatnonzero(self.labels == c)[:k] for c in range(len(self.classes))]
         return self.subset(np.concatenate(picked) if picked else np.zeros(0, np.int64))
+
+    def digest(self) -> str:
+        """SHA-256 (hex) of the images, labels and class names: equal digests, equal data."""
+        digest = hashlib.sha256()
+        digest.update(np.ascontiguousarray(self.images).tobytes())
+        digest.update(np.ascontiguousarray(self.labels).tobytes())
+        digest.update("\0".join(self.classes).encode("utf-8"))
+        return digest.hexdigest()
 
     def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(images, labels): float32 (N, 3, H, W) in [0, 1] and int64 (N,), both new memory."""
