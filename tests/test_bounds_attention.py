@@ -16,6 +16,8 @@ from lofast.bounds.attention import (
     attention_sensitivity,
     first_order_factors,
     first_order_negated_gram,
+    near_uniform_first_order_bound,
+    uniform_mix_norm,
 )
 from lofast.bounds.spectral import Guarantee, SpectralMethod
 
@@ -452,6 +454,101 @@ def test_verified_zeta_of_a_zero_operator():
     X = make_tokens(3, 4, 8, 1.0, seed=42)
     zeta = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
     assert torch.isfinite(zeta).all() and (zeta >= 0).all() and (zeta <= 1e-100).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The near-uniform bound: zeta <= max(||H||, ||H + B||) + sum_l ||P_l - U|| ||B_l||.
+
+
+def with_score_gain(w, gain):
+    """The same block with Wq, Wk scaled by gain (attention more uniform as gain -> 0)."""
+    return AttentionWeights(query=w.query * gain, key=w.key * gain, value=w.value,
+                            output=w.output, residual=w.residual, scale=w.scale)
+
+
+@pytest.mark.parametrize("n, d, h, dv, residual", GRAM_CONFIGS)
+@pytest.mark.parametrize("score_gain", [1e-3, 0.3, 3.0])
+def test_near_uniform_bound_dominates_the_materialised_norm(n, d, h, dv, residual, score_gain):
+    w = with_score_gain(make_weights(h, d, dv, residual, seed=43 + n + d), score_gain)
+    X = make_tokens(4, n, d, 1.5, seed=44 + h)
+    exact = torch.linalg.matrix_norm(materialised_operator(X, w), ord=2)
+    probs = attention_probabilities(X, w)
+    products = w.value @ w.output
+    eye = torch.eye(d, dtype=torch.float64) * float(residual)
+    mix = np.linalg.norm((eye + products.sum(dim=0)).numpy(), 2)
+    assert uniform_mix_norm(w.value, w.output, residual) >= mix
+    assert uniform_mix_norm(w.value, w.output, residual) <= mix * (1 + 1e-8) + 1e-12
+    branch_norms = torch.linalg.matrix_norm(products, ord=2)
+    bound = near_uniform_first_order_bound(probs, torch.tensor(mix), branch_norms, residual)
+    assert (bound >= exact * (1 - 1e-12)).all()
+    # its whole gap is the deviation term: zeta >= ||H + B|| (from G = 1 g^T)
+    gap = (torch.linalg.matrix_norm(probs - 1.0 / n, ord=2) * branch_norms).sum(dim=1)
+    assert (bound <= torch.clamp(exact, min=float(residual)) + gap + 1e-12).all()
+    if score_gain == 1e-3 and n > 1:  # near-uniform attention: the bound is essentially exact
+        assert (bound <= exact * (1 + 1e-4)).all()
+
+
+@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize("pattern", ["first-token", "identity", "uniform"])
+@pytest.mark.parametrize("mixing", ["random", "shrink"])
+def test_near_uniform_bound_on_extreme_attention(residual, pattern, mixing):
+    # hand-made attention where the split is tightest: every token reading the first one
+    # (P - U has the range of U), the identity, exact uniformity; and B = -I/2, where
+    # ||H + B|| < ||H|| = 1
+    n, d, h = 6, 4, 2
+    f64 = {"dtype": torch.float64}
+    probs = {"first-token": torch.zeros(n, n, **f64).index_fill_(1, torch.tensor([0]), 1.0),
+             "identity": torch.eye(n, **f64), "uniform": torch.full((n, n), 1.0 / n, **f64)}
+    probs = probs[pattern].expand(1, h, n, n)
+    if mixing == "random":
+        g = torch.Generator().manual_seed(50)
+        value = torch.randn(h, d, d, generator=g, dtype=torch.float64) / 2
+        output = torch.randn(h, d, d, generator=g, dtype=torch.float64) / 2
+    else:
+        value = -0.25 * torch.eye(d, dtype=torch.float64).expand(h, d, d)
+        output = torch.eye(d, dtype=torch.float64).expand(h, d, d)
+    products = (value @ output).numpy()
+    T = np.kron(np.eye(n), np.eye(d)) if residual else np.zeros((n * d, n * d))
+    T = T + sum(np.kron(probs[0, l].numpy(), products[l].T) for l in range(h))
+    exact = np.linalg.norm(T, 2)
+    branch_norms = torch.linalg.matrix_norm(value @ output, ord=2)
+    bound = near_uniform_first_order_bound(probs, uniform_mix_norm(value, output, residual),
+                                           branch_norms, residual)
+    assert bound.item() >= exact * (1 - 1e-12)
+    if pattern == "uniform":
+        assert bound.item() <= exact * (1 + 1e-7)  # ROUNDING_MARGIN 1e-8 twice, and room
+
+
+def test_verified_zeta_skips_the_gram_for_near_uniform_attention(monkeypatch):
+    w = with_score_gain(make_weights(4, 16, 4, True, seed=45), 1e-3)
+    X = make_tokens(6, 5, 16, 1.0, seed=46)
+    exact = torch.linalg.matrix_norm(materialised_operator(X, w), ord=2)
+
+    def no_gram(*args, **kwargs):
+        raise AssertionError("the Gram matrix should not be needed")
+
+    monkeypatch.setattr(attention, "first_order_negated_gram", no_gram)
+    zeta = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
+    assert (zeta >= exact).all() and (zeta <= exact * (1 + 2 * SLACK)).all()
+
+
+def test_verified_zeta_takes_the_better_bound_per_sample(monkeypatch):
+    # a batch mixing near-uniform and peaked attention (tokens of very different norms): only
+    # the peaked samples go through the Gram matrix, and every sample gets a tight bound
+    w = with_score_gain(make_weights(3, 12, 4, True, seed=47), 0.05)
+    X = torch.cat([make_tokens(3, 5, 12, 0.1, seed=48), make_tokens(3, 5, 12, 30.0, seed=49)])
+    exact = torch.linalg.matrix_norm(materialised_operator(X, w), ord=2)
+    sizes = []
+    real = attention.first_order_negated_gram
+
+    def counting(probs, *args, **kwargs):
+        sizes.append(probs.shape[0])
+        return real(probs, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "first_order_negated_gram", counting)
+    zeta = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
+    assert (zeta >= exact).all() and (zeta <= exact * (1 + 2 * SLACK)).all()
+    assert sum(sizes) == 3
 
 
 # ---------------------------------------------------------------------------------------------

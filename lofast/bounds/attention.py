@@ -33,6 +33,17 @@ first-order part (kappa eps / s) sum_l m_l ||X B_l|| of delta_2, a product of no
 of the operator it bounds (often 10x smaller), at the price of terms in eps^2. Both bounds hold,
 so ``AttentionSensitivity.delta`` takes their minimum (still nondecreasing in eps).
 
+Near-uniform attention (ours). With U = 1 1^T / n (a symmetric projection) and E_l = P_l - U,
+T_X(G) = [H G + U G B] + sum_l E_l G B_l with B = sum_l B_l. Splitting G = U G + (I - U) G, the
+bracket maps the two orthogonal parts to orthogonal parts, H (I - U) G and U G (H + B), so
+
+    zeta <= max(||H||, ||H + B||) + sum_l ||E_l|| ||B_l||,
+
+a few n x n norms per sample next to the nd x nd Gram matrix of the verified zeta. Certified
+training drives attention to near uniform, where this is within sum_l ||E_l|| ||B_l|| of zeta
+(zeta >= ||H + B||, from G = 1 g^T); ``attention_sensitivity`` uses it wherever it is within
+the verified method's slack of the Lanczos estimate, and the minimum of both elsewhere.
+
 All quantities are float64 and computed once per sample; ``AttentionSensitivity.delta`` then
 evaluates the bound for any radii.
 """
@@ -150,6 +161,11 @@ class AttentionWeights:
     def weight_norms(self) -> tuple[Tensor, Tensor]:
         """Deterministic upper bounds (||A_l||, ||B_l||), (h,) float64 each."""
         return matrix_norm_upper(self.score_matrices()), matrix_norm_upper(self.value_matrices())
+
+    @functools.cached_property
+    def uniform_mix_norm(self) -> Tensor:
+        """Deterministic upper bound on ||H + sum_l B_l||, a float64 scalar tensor."""
+        return uniform_mix_norm(_f64(self.value), _f64(self.output), self.residual)
 
     @functools.cached_property
     def first_order_factors(self) -> FirstOrderFactors:
@@ -276,12 +292,16 @@ def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
 
     matrix_free = 0  # probabilistic / estimated norms per sample
     if first_order == "lofast":
+        mix_norm = (w.uniform_mix_norm if same_device
+                    else uniform_mix_norm(value, output, w.residual))
+        uniform = near_uniform_first_order_bound(probs, mix_norm, value_weight_norm, w.residual)
         if method.kind == "verified":
             factors = (w.first_order_factors if same_device
                        else first_order_factors(value, output, w.residual))
-            zeta = verified_first_order_norm(probs, factors, method)
+            zeta = verified_first_order_norm(probs, factors, method, known=uniform)
         else:
-            zeta = _first_order_norm(X, probs, value, output, w.residual, method, generator)
+            zeta = torch.minimum(uniform, _first_order_norm(X, probs, value, output, w.residual,
+                                                            method, generator))
         matrix_free += 1
     else:
         identity_norm = 1.0 if w.residual else 0.0
@@ -495,13 +515,16 @@ def first_order_negated_gram(probs: Tensor, f: FirstOrderFactors,
     return negated, error * (1.0 + 2.0 ** -30)
 
 
-def verified_first_order_norm(probs: Tensor, f: FirstOrderFactors,
-                              method: SpectralMethod) -> Tensor:
+def verified_first_order_norm(probs: Tensor, f: FirstOrderFactors, method: SpectralMethod,
+                              known: Tensor | None = None) -> Tensor:
     """Deterministic upper bound on zeta = ||T_X|| (B,), T_X(G) = H G + sum_l P_l G Wv_l Wo_l.
 
-    Per chunk of samples: the Kronecker Gram matrix (``first_order_negated_gram``), an estimate
-    of its top eigenvalue by ``method.estimate_steps`` matrix-free Lanczos steps on T'^T T',
-    and its verification by Cholesky (``spectral.verified_norm_from_negated_gram``)."""
+    Per chunk of samples: an estimate of the top eigenvalue of the Gram matrix T'^T T' by
+    ``method.estimate_steps`` matrix-free Lanczos steps, then the Kronecker Gram matrix
+    (``first_order_negated_gram``) and its verification by Cholesky
+    (``spectral.verified_norm_from_negated_gram``). ``known`` (B,): deterministic upper bounds
+    already at hand; a sample whose bound lies within (1 + relative_slack) of the estimate keeps
+    it (the verification would try no lower value), the others get the minimum of both."""
     batch, _, n, _ = probs.shape
     dim = n * f.direction.shape[0]
     budget = VERIFIED_CPU_ELEMENTS if probs.device.type == "cpu" else DEVICE_WORKSPACE_ELEMENTS
@@ -511,15 +534,57 @@ def verified_first_order_norm(probs: Tensor, f: FirstOrderFactors,
     start = along + START_NOISE * noise
     start = start / torch.linalg.vector_norm(start)
     workspace = torch.empty(size, dim, dim, dtype=torch.float64, device=probs.device)
-    parts = []
+    zeta = (torch.full((batch,), math.inf, dtype=torch.float64, device=probs.device)
+            if known is None else known.clone())
     for first in range(0, batch, size):
+        chunk = zeta[first: first + size]  # a view: written in place
         p = probs[first: first + size]
         estimate = _first_order_estimate(p, f, start, method.estimate_steps)
-        negated, error = first_order_negated_gram(p, f, workspace[: p.shape[0]])
-        parts.append(verified_norm_from_negated_gram(
-            negated, relative_slack=method.relative_slack, gram_error=error, estimate=estimate,
-            lower_only=True))
-    return torch.cat(parts) * f.unit
+        # the first bound the verification would try (in units of f.unit); NaN: verify
+        tried = estimate.clamp_min(0.0).sqrt() * (1.0 + method.relative_slack)
+        todo = ~(chunk <= tried * f.unit)
+        if not bool(todo.any()):
+            continue
+        negated, error = first_order_negated_gram(p[todo], f, workspace[: int(todo.sum())])
+        verified = verified_norm_from_negated_gram(
+            negated, relative_slack=method.relative_slack, gram_error=error,
+            estimate=estimate[todo], lower_only=True) * f.unit
+        chunk[todo] = torch.minimum(chunk[todo], verified)
+    return zeta
+
+
+def uniform_mix_norm(value: Tensor, output: Tensor, residual: bool) -> Tensor:
+    """Deterministic upper bound on ||r I + sum_l Wv_l Wo_l|| (r = 1 with a residual, else 0),
+    a float64 scalar. value (h, d, dv), output (h, dv, d), float64.
+
+    The sum is one product of length k = h dv, so the computed matrix is off by at most
+    gamma_k |Wv| |Wo| entrywise (Higham, eq. 3.5), whose norm is <= ||Wv||_F ||Wo||_F."""
+    heads, d, dv = value.shape
+    wide = value.permute(1, 0, 2).reshape(d, heads * dv)  # [Wv_1 ... Wv_h]
+    tall = output.reshape(heads * dv, d)  # [Wo_1; ...; Wo_h]
+    mixed = wide @ tall
+    if residual:
+        mixed = mixed + torch.eye(d, dtype=torch.float64, device=value.device)
+    rounding = (gamma(heads * dv + 1) * torch.linalg.vector_norm(wide)
+                * torch.linalg.vector_norm(tall) * (1.0 + 2.0 ** -30))
+    return matrix_norm_upper(mixed) + rounding
+
+
+def near_uniform_first_order_bound(probs: Tensor, mix_norm: Tensor, value_weight_norm: Tensor,
+                                   residual: bool) -> Tensor:
+    """Deterministic upper bound on zeta = ||T_X|| (B,) from the split P_l = U + E_l (module
+    docstring): max(||H||, ||H + B||) + sum_l ||E_l|| ||B_l||. probs (B, h, n, n); mix_norm
+    >= ||H + B|| (``uniform_mix_norm``); value_weight_norm (h,) >= ||B_l||.
+
+    E_l is computed as fl(P_l - fl(1/n)), off by at most u |E_l| + u (1 + u) / n per entry,
+    so by at most gamma_2 (||E_l||_F + 1) in norm."""
+    n = probs.shape[-1]
+    deviation = probs - 1.0 / n
+    rounding = gamma(2) * (torch.linalg.matrix_norm(deviation) * (1.0 + 2.0 ** -30) + 1.0)
+    deviation_norm = matrix_norm_upper(deviation) + rounding  # (B, h)
+    identity_norm = 1.0 if residual else 0.0
+    return (torch.clamp(mix_norm, min=identity_norm)
+            + (deviation_norm * value_weight_norm).sum(dim=1))
 
 
 def _first_order_estimate(probs: Tensor, f: FirstOrderFactors, start: Tensor,
