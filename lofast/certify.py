@@ -167,6 +167,7 @@ class Certifier:
         first_order, score_bound = BOUNDS[self.settings.bound]
         steps: list[RadiusMap] = []
         guarantee, failure = Guarantee.DETERMINISTIC, 0.0
+        moving = slice(None)  # the tokens of `act` that a perturbation of the image can reach
         for i, (spec, act) in enumerate(zip(self.structure[:-1], activations[:-1])):
             if isinstance(spec, AttentionSpec):
                 sens: AttentionSensitivity = attention_sensitivity(
@@ -177,11 +178,16 @@ class Certifier:
                 guarantee = weakest_guarantee(guarantee, sens.guarantee)
                 failure += sens.failure_probability
             elif isinstance(spec, ProjectSpec) and self.settings.local_projection:
+                # only tokens that can move count (a constant one is not perturbed at all);
                 # float64 norms are exact to ~1e-16 relative; shave a little to stay below them
-                norms = torch.linalg.vector_norm(act, dim=-1).min(dim=-1).values
+                norms = torch.linalg.vector_norm(act[:, moving], dim=-1).min(dim=-1).values
                 steps.append(ProjectionStep(norms * (1 - 1e-12), spec.radius))
             else:
                 steps.append(LipschitzStep(self.lipschitz[i]))
+            if isinstance(spec, EmbedSpec):
+                moving = slice(spec.constant_tokens, None)
+            elif isinstance(spec, AttentionSpec):
+                moving = slice(None)  # attention mixes every token into every other
         head: HeadSpec = self.structure[-1]
         weight = head.weight.to(self.device)
         true_logit = logits.gather(1, labels[:, None])

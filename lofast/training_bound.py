@@ -55,16 +55,21 @@ class TrainingBound:
         dtype = torch.promote_types(activations[0].dtype, torch.float32)
         with torch.autocast(device.type, enabled=False):
             radius = torch.full((batch,), float(eps), device=device, dtype=dtype)
+            moving = slice(None)  # the tokens of `act` that a perturbation can reach
             for index, (stage, act) in enumerate(zip(model.stages, activations)):
-                radius = self._stage_radius(index, stage, act.to(dtype), radius)
+                radius = self._stage_radius(index, stage, act.to(dtype), radius, moving)
+                if isinstance(stage, PatchEmbed):
+                    moving = slice(stage.constant_tokens, None)
+                elif isinstance(stage, Attention):
+                    moving = slice(None)
         return radius
 
     def _stage_radius(self, index: int, stage: torch.nn.Module, act: Tensor,
-                      radius: Tensor) -> Tensor:
+                      radius: Tensor, moving: slice) -> Tensor:
         if isinstance(stage, PatchEmbed):
             return radius * top_singular_value(stage.effective_weight())
         if isinstance(stage, LayerProject):
-            min_norm = torch.linalg.vector_norm(act, dim=-1).min(dim=-1).values
+            min_norm = torch.linalg.vector_norm(act[:, moving], dim=-1).min(dim=-1).values
             return ProjectionStep(min_norm, stage.radius).delta(radius[:, None])[:, 0]
         if isinstance(stage, Attention):
             weights = AttentionWeights(**stage.head_weights(), residual=True, scale=stage.scale)

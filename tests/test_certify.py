@@ -7,10 +7,14 @@ import pytest
 import torch
 
 from lofast.attack import pgd_l2
+from lofast.bounds.compose import propagate
 from lofast.bounds.spectral import Guarantee, SpectralMethod
 from lofast.certify import Certifier, CertifySettings
+from lofast.checkpoint import default_checkpoint_path, load_checkpoint
 from lofast.config import preset
+from lofast.data.sample import load_bundled_sample
 from lofast.errors import CertificationError
+from lofast.models.layers import PatchEmbed
 from lofast.models.vit import create_model
 
 EPS = torch.tensor([0.02, 0.05, 0.1, 0.2], dtype=torch.float64)
@@ -115,6 +119,48 @@ def test_verdicts_monotone_and_consistent_with_radius(certificate):
     for k, eps in enumerate(EPS.tolist()):
         assert torch.equal(verdicts[:, k], radius > eps) or \
             ((verdicts[:, k] != (radius > eps)) <= ((radius - eps).abs() < 1e-9)).all()
+
+
+def test_first_projection_bound_skips_the_class_token(monkeypatch):
+    """The class token enters the first LayerProject unperturbed, so only the patch tokens' norms
+    set its local factor. On the shipped model the class token is the shortest there (norm 0.71,
+    patches 1.2-2), so this takes the factor from 1 to about 1/(r - eps). Checked against PGD on
+    the projected tokens, which must stay below the bound and come close to it."""
+    model = load_checkpoint(default_checkpoint_path())
+    x, y = load_bundled_sample().subset(list(range(6))).to_tensors()
+    x = x.double()
+    dense = CertifySettings(method=SpectralMethod(kind="dense"))
+    certifier = Certifier(model, dense)
+    prefix = torch.nn.Sequential(*certifier.model.stages[:2])  # embedding, first LayerProject
+    cert = certifier.certify(x, y)
+    monkeypatch.setattr(PatchEmbed, "constant_tokens", 0)
+    every_token = Certifier(model, dense).certify(x, y)
+    for eps in (0.02, 0.2):
+        radius = torch.full((len(x), 1), eps, dtype=torch.float64)
+        bound = propagate(cert.steps[:2], radius)[:, 0]
+        ratio = bound / propagate(every_token.steps[:2], radius)[:, 0]
+        assert (ratio <= 1).all()
+        if eps == 0.02:  # every sample's patch tokens stay outside the ball: factor below 1
+            assert (ratio < 1).all() and ratio.mean() < 0.85
+        with torch.no_grad():
+            clean = prefix(x)
+        best = torch.zeros(len(x), dtype=torch.float64)
+        for restart in range(3):
+            g = torch.Generator().manual_seed(restart)
+            delta = torch.randn(x.shape, generator=g, dtype=torch.float64)
+            delta = (delta * eps / delta.flatten(1).norm(dim=1)[:, None, None, None])
+            delta.requires_grad_()
+            opt = torch.optim.Adam([delta], lr=eps / 20)
+            for _ in range(100):
+                norm = delta.flatten(1).norm(dim=1)[:, None, None, None]
+                d = delta * (eps / norm)  # on the sphere: the deviation grows with the step
+                dev = (prefix(x + d) - clean).flatten(1).norm(dim=1)
+                best = torch.maximum(best, dev.detach())
+                opt.zero_grad()
+                (-dev.sum()).backward()
+                opt.step()
+        assert (best <= bound * (1 + 1e-9)).all()
+        assert (best >= 0.7 * bound).all()
 
 
 def test_probabilistic_and_exact_agree(trained):

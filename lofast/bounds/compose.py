@@ -37,7 +37,8 @@ class LipschitzStep:
 
 @dataclass(frozen=True)
 class ProjectionStep:
-    """Local bound of LayerProject (radius R) around clean tokens with norms >= min_norm (B,).
+    """Local bound of LayerProject (radius R) around clean tokens; min_norm (B,) is the smallest
+    norm among the tokens the perturbation can reach (a token that cannot move adds nothing).
 
     A token at norm r moved by t stays, with the whole segment between, at norm >= r - t. If
     r - t > R that segment lies outside the ball, where the projection z -> R z / ||z|| has

@@ -41,6 +41,8 @@ def _frozen(t: Tensor) -> Tensor:
 class PatchEmbed(nn.Module):
     """Images (B, C, H, W) in [0,1] -> tokens (B, 1 + n_patches, d), class token first."""
 
+    constant_tokens = 1  # the class token: the same for every image
+
     def __init__(self, image_size: int, channels: int, patch_size: int, width: int,
                  cap: float, center: float) -> None:
         super().__init__()
@@ -71,7 +73,8 @@ class PatchEmbed(nn.Module):
         return torch.cat([cls, tokens], dim=1)
 
     def spec(self) -> EmbedSpec:
-        return EmbedSpec(weight=_frozen(self.effective_weight()))
+        return EmbedSpec(weight=_frozen(self.effective_weight()),
+                         constant_tokens=self.constant_tokens)
 
 
 class LayerProject(nn.Module):

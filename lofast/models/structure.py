@@ -17,10 +17,12 @@ class EmbedSpec:
     """Image (B, C, H, W) -> tokens (B, n, d): centring, patches, linear map, position, class token.
 
     Lipschitz from the image l2 norm to the token Frobenius norm: ||weight|| (centring, patching
-    and adding fixed vectors are isometries on differences).
+    and adding fixed vectors are isometries on differences). The first ``constant_tokens``
+    tokens (the class token) do not depend on the image at all.
     """
 
     weight: Tensor  # (d, C * p * p)
+    constant_tokens: int = 1
 
 
 @dataclass(frozen=True)
