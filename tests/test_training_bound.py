@@ -37,9 +37,15 @@ def converged_radius(model, x, eps, iterations=2000):
     return bound(model, x, eps)
 
 
-def test_training_bound_agrees_with_the_certifier():
-    """Converged power iteration reproduces the certifier's feature radius from below."""
+@pytest.mark.parametrize("long_patches", [False, True])
+def test_training_bound_agrees_with_the_certifier(long_patches):
+    """Converged power iteration reproduces the certifier's feature radius from below. With
+    long patch tokens (a large embedding bias) and the zero class token, the first LayerProject
+    contracts only if both leave the constant class token out, as they must."""
     model = small_model()
+    if long_patches:
+        with torch.no_grad():
+            model.stages[0].bias.fill_(6.0 / model.config.width ** 0.5)  # patch norms ~6 > R
     x = images(6)
     labels = torch.zeros(6, dtype=torch.long)
     certificate = Certifier(model, CertifySettings(method=DENSE)).certify(x, labels)
