@@ -222,12 +222,24 @@ def test_certify_table_output(checkpoint, data_dir):
     assert "NOT a certificate" in result.output or "estimate" in result.output
 
 
-@pytest.mark.parametrize("eps", ["0", "-0.1", "abc", "nan"])
+@pytest.mark.parametrize("eps", ["0", "-0.1", "abc", "nan", "1/0", "0/255", "-36/255", "1/2/3"])
 def test_certify_rejects_bad_eps(checkpoint, data_dir, eps):
     result = CliRunner().invoke(cli, ["certify", "--checkpoint", str(checkpoint), "--data",
                                       str(data_dir), "--eps", eps])
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert "--eps" in result.output
+
+
+def test_certify_accepts_eps_as_a_fraction(checkpoint, data_dir):
+    base = ["certify", "--checkpoint", str(checkpoint), "--data", str(data_dir), "--n", "4",
+            "--device", "cpu", "--json", "--eps"]
+    runner = CliRunner()
+    fraction = runner.invoke(cli, base + ["36/255"])
+    decimal = runner.invoke(cli, base + [repr(36 / 255)])
+    assert fraction.exit_code == 0 and decimal.exit_code == 0, fraction.output
+    assert (json.loads(fraction.stdout)["certified_accuracy"]
+            == json.loads(decimal.stdout)["certified_accuracy"])
+    assert list(json.loads(fraction.stdout)["certified_accuracy"]) == ["0.141176"]
 
 
 def test_certify_bad_files(checkpoint, data_dir, tmp_path):

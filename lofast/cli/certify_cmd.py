@@ -23,12 +23,18 @@ def default_batch_size(device) -> int:
 
 
 class PositiveFloat(click.ParamType):
+    """A positive finite number, also written as a fraction such as 36/255."""
+
     name = "positive number"
 
     def convert(self, value, param, ctx):
         try:
-            number = float(value)
-        except (TypeError, ValueError):
+            if isinstance(value, str) and value.count("/") == 1:
+                numerator, denominator = value.split("/")
+                number = float(numerator) / float(denominator)
+            else:
+                number = float(value)
+        except (TypeError, ValueError, ZeroDivisionError):
             self.fail(f"{value!r} is not a number", param, ctx)
         if not math.isfinite(number) or number <= 0:
             self.fail(f"{value!r} must be a positive finite number", param, ctx)
@@ -44,7 +50,7 @@ class PositiveFloat(click.ParamType):
               help="Data set kind (default: the checkpoint's).")
 @click.option("--split", type=click.Choice(["test", "train"]), default="test", show_default=True)
 @click.option("--eps", "eps_values", type=PositiveFloat(), multiple=True, required=True,
-              help="l2 radius in [0,1] pixel scale (repeatable).")
+              help="l2 radius in [0,1] pixel scale, e.g. 0.05 or 36/255 (repeatable).")
 @click.option("--n", "limit", type=click.IntRange(min=1), default=None,
               help="Certify the first N samples of the class-balanced order (i-th image of "
                    "every class in turn).")
