@@ -178,10 +178,7 @@ class Certifier:
                 guarantee = weakest_guarantee(guarantee, sens.guarantee)
                 failure += sens.failure_probability
             elif isinstance(spec, ProjectSpec) and self.settings.local_projection:
-                # only tokens that can move count (a constant one is not perturbed at all);
-                # float64 norms are exact to ~1e-16 relative; shave a little to stay below them
-                norms = torch.linalg.vector_norm(act[:, moving], dim=-1).min(dim=-1).values
-                steps.append(ProjectionStep(norms * (1 - 1e-12), spec.radius))
+                steps.append(ProjectionStep.around(act, spec.radius, moving))
             else:
                 steps.append(LipschitzStep(self.lipschitz[i]))
             if isinstance(spec, EmbedSpec):

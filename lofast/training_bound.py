@@ -69,8 +69,7 @@ class TrainingBound:
         if isinstance(stage, PatchEmbed):
             return radius * top_singular_value(stage.effective_weight())
         if isinstance(stage, LayerProject):
-            min_norm = torch.linalg.vector_norm(act[:, moving], dim=-1).min(dim=-1).values
-            return ProjectionStep(min_norm, stage.radius).delta(radius[:, None])[:, 0]
+            return ProjectionStep.around(act, stage.radius, moving).delta(radius[:, None])[:, 0]
         if isinstance(stage, Attention):
             weights = AttentionWeights(**stage.head_weights(), residual=True, scale=stage.scale)
             sensitivity, self.vectors[index] = attention_sensitivity_estimate(

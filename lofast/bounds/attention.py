@@ -516,7 +516,7 @@ def first_order_negated_gram(probs: Tensor, f: FirstOrderFactors,
 
 
 def verified_first_order_norm(probs: Tensor, f: FirstOrderFactors, method: SpectralMethod,
-                              known: Tensor | None = None) -> Tensor:
+                              known: Tensor) -> Tensor:
     """Deterministic upper bound on zeta = ||T_X|| (B,), T_X(G) = H G + sum_l P_l G Wv_l Wo_l.
 
     Per chunk of samples: an estimate of the top eigenvalue of the Gram matrix T'^T T' by
@@ -534,8 +534,7 @@ def verified_first_order_norm(probs: Tensor, f: FirstOrderFactors, method: Spect
     start = along + START_NOISE * noise
     start = start / torch.linalg.vector_norm(start)
     workspace = torch.empty(size, dim, dim, dtype=torch.float64, device=probs.device)
-    zeta = (torch.full((batch,), math.inf, dtype=torch.float64, device=probs.device)
-            if known is None else known.clone())
+    zeta = known.clone()
     for first in range(0, batch, size):
         chunk = zeta[first: first + size]  # a view: written in place
         p = probs[first: first + size]

@@ -50,6 +50,13 @@ class ProjectionStep:
     min_norm: Tensor  # (B,)
     radius: float
 
+    @classmethod
+    def around(cls, tokens: Tensor, radius: float, moving: slice) -> ProjectionStep:
+        """The step at clean tokens (B, n, d), of which only tokens[:, moving] can move. Norms
+        are computed to ~1e-16 relative; the minimum is shaved by 1e-12 to stay below them."""
+        norms = torch.linalg.vector_norm(tokens[:, moving], dim=-1).min(dim=-1).values
+        return cls(norms * (1 - 1e-12), radius)
+
     def delta(self, eps: Tensor) -> Tensor:
         gap = self.min_norm[:, None] - eps
         outside = gap > self.radius

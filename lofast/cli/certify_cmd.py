@@ -84,8 +84,8 @@ class PositiveFloat(click.ParamType):
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from --out.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size, device,
-            bound, softmax_jacobian, kappa, guarantee, fallback, fallback_timeout, seed, out, resume,
-            as_json) -> None:
+            bound, softmax_jacobian, kappa, guarantee, fallback, fallback_timeout, seed, out,
+            resume, as_json) -> None:
     """Certify l2 robustness of every sample with the LoFAST bound."""
     import torch
     from rich.progress import (

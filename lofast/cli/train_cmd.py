@@ -85,8 +85,8 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
               help="Continue from OUT.state.pt if an earlier run was interrupted.")
 def train(dataset, data_path, download, preset, model_options, epochs, batch_size, lr,
           weight_decay, warmup_epochs, schedule, loss, margin, train_eps, eps_ramp_epochs,
-          clean_mix, power_iterations, softmax_jacobian, temperature, augment, seed, device, amp, limit, out,
-          resume) -> None:
+          clean_mix, power_iterations, softmax_jacobian, temperature, augment, seed, device, amp,
+          limit, out, resume) -> None:
     """Train a Lipschitz ViT on a data set and save it as a checkpoint."""
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
