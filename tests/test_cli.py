@@ -105,6 +105,48 @@ def test_resume_after_interrupt_matches_uninterrupted_run(data_dir, tmp_path, mo
     assert all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
 
 
+def test_init_starts_from_the_checkpoint(checkpoint, data_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "init.safetensors"
+    args = ["train", "--dataset", "folder", "--data", str(data_dir), "--init", str(checkpoint),
+            "--epochs", "1", "--batch-size", "16", "--device", "cpu", "--out", str(out)]
+    result = CliRunner().invoke(cli, args + ["--lr", "1e-9"])  # Adam moves a weight <= lr a step
+    assert result.exit_code == 0, result.output
+    start, after = load_file(str(checkpoint)), load_file(str(out))
+    assert all(np.allclose(start[k].numpy(), after[k].numpy(), rtol=0, atol=1e-7) for k in start)
+    meta = read_metadata(out)
+    assert meta["model_config"] == read_metadata(checkpoint)["model_config"]
+    assert meta["train_options"]["preset"] is None and len(meta["init_checkpoint_sha256"]) == 64
+    moved = CliRunner().invoke(cli, args + ["--lr", "3e-3", "--out", str(tmp_path / "m.st")])
+    assert moved.exit_code == 0, moved.output
+    assert not all(np.array_equal(start[k].numpy(), v.numpy())
+                   for k, v in load_file(str(tmp_path / "m.st")).items())
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--preset", "tiny"], "--preset"), (["--model-option", "depth=2"], "--preset"),
+    (["--init", "{missing}"], "missing.safetensors"), (["--dataset", "cifar10"], "")])
+def test_init_refuses_what_does_not_fit(checkpoint, data_dir, tmp_path, extra, message):
+    init = ["--init", str(checkpoint)] if "--init" not in extra else []
+    extra = [e.format(missing=tmp_path / "missing.safetensors") for e in extra]
+    if extra[:1] == ["--dataset"]:  # a 10-class data set against a 4-class checkpoint
+        data = tmp_path / "ten"
+        for c in range(10):
+            (data / "train" / f"c{c}").mkdir(parents=True)
+            (data / "test" / f"c{c}").mkdir(parents=True)
+            Image.new("RGB", (32, 32)).save(data / "train" / f"c{c}" / "0.png")
+            Image.new("RGB", (32, 32)).save(data / "test" / f"c{c}" / "0.png")
+        extra, message = ["--dataset", "folder"], "built for"
+    else:
+        data = data_dir
+    result = CliRunner().invoke(cli, ["train", "--dataset", "folder", "--data", str(data),
+                                      *init, *extra, "--epochs", "1", "--device", "cpu",
+                                      "--out", str(tmp_path / "o.safetensors")])
+    assert result.exit_code == 1 and message in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "o.safetensors").exists()
+
+
 def test_certified_training_short_run(data_dir, tmp_path):
     out = tmp_path / "cert.safetensors"
     result = CliRunner().invoke(cli, [

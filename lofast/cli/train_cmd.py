@@ -41,6 +41,10 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
 @click.option("--preset", default="paper-d3", show_default=True, help="Model preset.")
 @click.option("--model-option", "model_options", multiple=True, metavar="KEY=VALUE",
               help="Override a model config field, e.g. value_cap=0.4 (repeatable).")
+@click.option("--init", "init_path", type=click.Path(path_type=Path, dir_okay=False),
+              default=None,
+              help="Start from this checkpoint's weights and architecture (fine-tuning, or "
+                   "more epochs on a new schedule); replaces --preset and --model-option.")
 @click.option("--epochs", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--lr", type=float, default=1e-3, show_default=True)
@@ -83,7 +87,7 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
               help="Checkpoint to write (.safetensors).")
 @click.option("--resume", is_flag=True,
               help="Continue from OUT.state.pt if an earlier run was interrupted.")
-def train(dataset, data_path, download, preset, model_options, epochs, batch_size, lr,
+def train(dataset, data_path, download, preset, model_options, init_path, epochs, batch_size, lr,
           weight_decay, warmup_epochs, schedule, loss, margin, train_eps, eps_ramp_epochs,
           clean_mix, power_iterations, softmax_jacobian, temperature, augment, seed, device, amp,
           limit, out, resume) -> None:
@@ -91,11 +95,12 @@ def train(dataset, data_path, download, preset, model_options, epochs, batch_siz
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from lofast.checkpoint import save_checkpoint
+    from lofast.checkpoint import file_digest, load_checkpoint, save_checkpoint
     from lofast.config import TrainConfig
     from lofast.config import preset as make_preset
     from lofast.data import load_dataset
     from lofast.data.sample import class_balanced_order
+    from lofast.errors import LofastError
     from lofast.models.vit import create_model
     from lofast.train import resolve_device
     from lofast.train import train as run_training
@@ -111,14 +116,25 @@ def train(dataset, data_path, download, preset, model_options, epochs, batch_siz
     train_set = load_dataset(data_path, "train", dataset, download=download)
     test_set = load_dataset(data_path, "test", dataset)
     height, _, channels = train_set.images.shape[1:]
-    model_config = make_preset(preset, **{"num_classes": len(train_set.classes),
-                                          "image_size": height, "channels": channels,
-                                          **parse_model_options(model_options)})
+    data_shape = {"num_classes": len(train_set.classes), "image_size": height,
+                  "channels": channels}
+    if init_path is None:
+        model = create_model(make_preset(preset, **data_shape,
+                                         **parse_model_options(model_options)), seed=seed)
+    else:
+        preset_given = ctx.get_parameter_source("preset") is click.core.ParameterSource.COMMANDLINE
+        if preset_given or model_options:
+            raise LofastError("--init takes the architecture from the checkpoint; "
+                              "drop --preset and --model-option")
+        model = load_checkpoint(init_path)
+        stored = {key: getattr(model.config, key) for key in data_shape}
+        if stored != data_shape:
+            raise LofastError(f"{init_path}: built for {stored}, the data set has {data_shape}")
+        preset = f"{init_path.name} (--init)"
     if limit is not None:
         # class-balanced: data sets stored class by class would otherwise give a few classes
         train_set = train_set.subset(class_balanced_order(train_set.labels)[:limit])
     torch.manual_seed(seed)
-    model = create_model(model_config, seed=seed)
     state_path = out.with_name(out.name + ".state.pt")
     console.print(f"training [bold]{preset}[/] on {train_set.name} ({len(train_set)} train, "
                   f"{len(test_set)} test images) on {dev}")
@@ -145,12 +161,15 @@ def train(dataset, data_path, download, preset, model_options, epochs, batch_siz
                                resume=resume, on_step=on_step, on_epoch=on_epoch)
     final = history[-1]
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in ctx.params.items()}
+    if init_path is not None:
+        options["preset"] = None  # the default preset was not used: the architecture is init's
     save_checkpoint(out, model.cpu(), metadata={
         "dataset": train_set.name,
         "classes": list(train_set.classes),
         "train_command": "lofast train " + " ".join(shlex.quote(a) for a in sys.argv[2:])
         if Path(sys.argv[0]).name == "lofast" else options,
         "train_options": options,
+        **({} if init_path is None else {"init_checkpoint_sha256": file_digest(init_path)}),
         "clean_accuracy": final.test_accuracy,
         "epochs": final.epoch,
         "device": str(dev),
