@@ -118,6 +118,7 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
     height, _, channels = train_set.images.shape[1:]
     data_shape = {"num_classes": len(train_set.classes), "image_size": height,
                   "channels": channels}
+    architecture = preset
     if init_path is None:
         model = create_model(make_preset(preset, **data_shape,
                                          **parse_model_options(model_options)), seed=seed)
@@ -130,13 +131,13 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
         stored = {key: getattr(model.config, key) for key in data_shape}
         if stored != data_shape:
             raise LofastError(f"{init_path}: built for {stored}, the data set has {data_shape}")
-        preset = f"{init_path.name} (--init)"
+        architecture = f"{init_path.name} (--init)"
     if limit is not None:
         # class-balanced: data sets stored class by class would otherwise give a few classes
         train_set = train_set.subset(class_balanced_order(train_set.labels)[:limit])
     torch.manual_seed(seed)
     state_path = out.with_name(out.name + ".state.pt")
-    console.print(f"training [bold]{preset}[/] on {train_set.name} ({len(train_set)} train, "
+    console.print(f"training [bold]{architecture}[/] on {train_set.name} ({len(train_set)} train, "
                   f"{len(test_set)} test images) on {dev}")
 
     columns = [TextColumn("epoch {task.fields[epoch]}"), BarColumn(),
