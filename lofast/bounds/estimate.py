@@ -8,8 +8,12 @@ never certificates (the certificate is always recomputed by ``lofast certify``).
 is taken through the final vectors held fixed, d||T v|| = u^T dT v with u = T v / ||T v||, which
 is the exact gradient of the top singular value once v has converged.
 
-Every explicit norm is the square root of the top eigenvalue of the smaller Gram matrix, whose
-gradient V diag(g) V^T needs no eigenvalue gaps (unlike the full SVD's).
+The explicit norms of weights are the square root of the top eigenvalue of the smaller Gram
+matrix, whose gradient V diag(g) V^T needs no eigenvalue gaps (unlike the full SVD's): trained
+weights pile their singular values up at the caps. The per-sample explicit norms, thousands of
+tiny matrices per batch, are ||M v|| for an estimate v of that top eigenvector found by repeated
+squaring, 2.5x cheaper than a batched eigendecomposition (which took a quarter of a certified
+step); the gradient, again through v held fixed, is exact once v has converged.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from lofast.bounds.attention import (
 )
 from lofast.bounds.spectral import Guarantee, power_iterate
 
-# Floor under squared norms before the square root (whose gradient is unbounded at 0).
+# Floor under squared norms before the square root (whose gradient is unbounded at 0) and under
+# the norms that vectors are divided by (a zero vector stays zero, not NaN).
 SQUARED_NORM_FLOOR = 1e-12
 
 
@@ -36,6 +41,32 @@ def top_singular_value(M: Tensor) -> Tensor:
     gram = M @ M.mT if M.shape[-2] <= M.shape[-1] else M.mT @ M
     top = torch.linalg.eigvalsh(gram)[..., -1]
     return top.clamp_min(SQUARED_NORM_FLOOR).sqrt()
+
+
+# Squarings of the Gram matrix in top_singular_value_estimate: 2^6 = 64 power steps. On the
+# default checkpoint's per-sample attention norms (250 bundled images) every value is within
+# 0.8 % of the exact norm, and their mean within 0.01 %.
+GRAM_SQUARINGS = 6
+
+
+def top_singular_value_estimate(M: Tensor) -> Tensor:
+    """An estimate of ||M|| from below for many small matrices (..., m, k), in M's dtype,
+    differentiable. Returns (...).
+
+    G^(2^s), for the smaller Gram matrix G and s = GRAM_SQUARINGS, is nearly rank one, and its
+    column with the largest diagonal entry, normalised, is close to G's top eigenvector: call it
+    v. ||M|| is taken as ||M v|| (||v^T M|| for wide M), which is never above it."""
+    wide = M.shape[-2] < M.shape[-1]
+    with torch.no_grad():
+        gram = M @ M.mT if wide else M.mT @ M
+        for _ in range(GRAM_SQUARINGS):
+            trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1)
+            gram = gram / trace.clamp_min(torch.finfo(M.dtype).tiny)[..., None, None]  # finite powers
+            gram = gram @ gram
+        column = gram.diagonal(dim1=-2, dim2=-1).argmax(-1)  # (...)
+        v = torch.take_along_dim(gram, column[..., None, None], dim=-1)  # (..., r, 1)
+        v = v / torch.linalg.vector_norm(v, dim=-2, keepdim=True).clamp_min(SQUARED_NORM_FLOOR)
+    return torch.linalg.vector_norm(v.mT @ M if wide else M @ v, dim=(-2, -1))
 
 
 def row_space_factor(W: Tensor) -> Tensor:
@@ -96,9 +127,9 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionWeights, *, kappa: flo
     # ||X A_l^T|| = ||(X Wk_l) Wq_l^T||, ||X A_l|| = ||(X Wq_l) Wk_l^T||, ||X B_l|| = ||(X Wv_l) Wo_l||:
     # each right factor is replaced by its row-space factor, so the per-sample Gram matrices are
     # formed from (n, dh) products instead of (n, d) ones
-    score = (top_singular_value(x_key @ row_space_factor(query.mT))  # X A_l^T
-             + top_singular_value(x_query @ row_space_factor(key.mT)))  # X A_l, (B, h)
-    value_norm = top_singular_value(x_value @ row_space_factor(output))  # (B, h) ||X B_l||
+    score = (top_singular_value_estimate(x_key @ row_space_factor(query.mT))  # X A_l^T
+             + top_singular_value_estimate(x_query @ row_space_factor(key.mT)))  # X A_l, (B, h)
+    value_norm = top_singular_value_estimate(x_value @ row_space_factor(output))  # (B, h) ||X B_l||
     sensitivity = AttentionSensitivity(
         zeta=norms[0], score_sensitivity=score, value_norm=value_norm,
         score_weight_norm=product_norm(query, key.mT),
