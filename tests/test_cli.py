@@ -1,6 +1,8 @@
 """The `lofast` command through click's CliRunner: train, resume, info, certify, bad inputs."""
 
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -73,9 +75,21 @@ def test_resume_continues_from_saved_state(data_dir, tmp_path):
     assert read_metadata(out)["epochs"] == 2 and state.is_file()
 
 
-@pytest.mark.parametrize("loss", [[], ["--loss", "certified", "--train-eps", "0.1",
-                                       "--eps-ramp-epochs", "1"]])
-def test_resume_after_interrupt_matches_uninterrupted_run(data_dir, tmp_path, monkeypatch, loss):
+def ctrl_c() -> None:
+    raise KeyboardInterrupt
+
+
+def sigterm() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("loss, interrupt, exit_code", [
+    ([], ctrl_c, 130),
+    (["--loss", "certified", "--train-eps", "0.1", "--eps-ramp-epochs", "1"], ctrl_c, 130),
+    ([], sigterm, 143),
+])
+def test_resume_after_interrupt_matches_uninterrupted_run(data_dir, tmp_path, monkeypatch, loss,
+                                                          interrupt, exit_code):
     import lofast.train as train_module
 
     args = ["train", "--dataset", "folder", "--data", str(data_dir), "--preset", "tiny",
@@ -90,12 +104,13 @@ def test_resume_after_interrupt_matches_uninterrupted_run(data_dir, tmp_path, mo
     def save_then_interrupt(*a, **k):
         original(*a, **k)
         calls["n"] += 1
-        raise KeyboardInterrupt
+        interrupt()
 
     monkeypatch.setattr(train_module, "save_training_state", save_then_interrupt)
     resumed = tmp_path / "b.safetensors"
     result = runner.invoke(cli, args + ["--out", str(resumed)])
-    assert result.exit_code == 130 and calls["n"] == 1 and not resumed.exists()
+    assert result.exit_code == exit_code and calls["n"] == 1 and not resumed.exists()
+    assert "interrupted" in result.output and "Traceback" not in result.output
     monkeypatch.setattr(train_module, "save_training_state", original)
     result = runner.invoke(cli, args + ["--out", str(resumed), "--resume"])
     assert result.exit_code == 0, result.output

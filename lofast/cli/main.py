@@ -3,7 +3,9 @@ so that `lofast --help` stays fast."""
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 import click
 from rich.console import Console
@@ -14,19 +16,33 @@ from lofast.errors import LofastError
 stderr = Console(stderr=True, highlight=False)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a batch scheduler's stop, `timeout`, `kill`), raised where the program is, so
+    that it unwinds like Ctrl-C: finished work stays saved."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 class LofastGroup(click.Group):
     """Maps every user-caused error to one line on stderr and exit code 1, and an interrupt to
-    exit code 130, instead of a traceback."""
+    one line and exit code 130 (Ctrl-C) or 143 (SIGTERM), instead of a traceback."""
 
     def invoke(self, ctx: click.Context):
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main_thread else None
         try:
             return super().invoke(ctx)
         except LofastError as e:
             stderr.print(f"[bold red]error:[/] {e}", soft_wrap=True)
             sys.exit(1)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             stderr.print("[yellow]interrupted[/]: finished work is saved; rerun with --resume")
-            sys.exit(130)
+            sys.exit(128 + signal.SIGTERM if isinstance(e, Terminated) else 130)
+        finally:
+            if on_main_thread:
+                signal.signal(signal.SIGTERM, previous)
 
 
 @click.group(cls=LofastGroup, context_settings={"help_option_names": ["-h", "--help"]})
