@@ -527,7 +527,13 @@ def test_verified_zeta_skips_the_gram_for_near_uniform_attention(monkeypatch):
     def no_gram(*args, **kwargs):
         raise AssertionError("the Gram matrix should not be needed")
 
+    def rayleigh_quotient_only(gram, start, steps):  # nor Lanczos beyond its first step
+        assert steps == 1
+        return real_lanczos(gram, start, steps)
+
+    real_lanczos = attention.lanczos_ritz
     monkeypatch.setattr(attention, "first_order_negated_gram", no_gram)
+    monkeypatch.setattr(attention, "lanczos_ritz", rayleigh_quotient_only)
     zeta = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
     assert (zeta >= exact).all() and (zeta <= exact * (1 + 2 * SLACK)).all()
 
@@ -545,10 +551,19 @@ def test_verified_zeta_takes_the_better_bound_per_sample(monkeypatch):
         sizes.append(probs.shape[0])
         return real(probs, *args, **kwargs)
 
+    lanczos_samples = {}
+    real_lanczos = attention.lanczos_ritz
+
+    def counting_lanczos(gram, start, steps):
+        lanczos_samples[steps] = lanczos_samples.get(steps, 0) + start.shape[0]
+        return real_lanczos(gram, start, steps)
+
     monkeypatch.setattr(attention, "first_order_negated_gram", counting)
+    monkeypatch.setattr(attention, "lanczos_ritz", counting_lanczos)
     zeta = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
     assert (zeta >= exact).all() and (zeta <= exact * (1 + 2 * SLACK)).all()
     assert sum(sizes) == 3
+    assert lanczos_samples == {1: 6, VERIFIED.estimate_steps: 3}
 
 
 # ---------------------------------------------------------------------------------------------
