@@ -1,32 +1,36 @@
 """Cost of certified training (--loss certified) against plain training, per step and per epoch.
 
-    python benchmarks/bench_train.py [--preset paper-d3] [--batch-size 256] [--steps 20]
-        [--power-iterations 2] [--device auto] [--out bench_train.json]
+    python benchmarks/bench_train.py [--preset paper-d3 | --checkpoint PATH] [--batch-size 256]
+        [--steps 20] [--power-iterations 2] [--device auto] [--out bench_train.json]
 
 Times full optimisation steps (forward, loss, backward, AdamW) on random CIFAR-sized images, after
 warm-up steps, and extrapolates to one epoch of 50,000 images. Prints a table and writes JSON.
+A fresh model has live attention; a trained certified one (--checkpoint) has nearly uniform
+attention, where the training bound, like the certifier, skips the refinement's power steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import time
 
 import torch
 
+from lofast.checkpoint import load_checkpoint
 from lofast.config import TrainConfig, preset
-from lofast.models.vit import create_model
+from lofast.models.vit import LipschitzViT, create_model
 from lofast.train import resolve_device, training_step
 from lofast.training_bound import TrainingBound
 
 EPOCH_IMAGES = 50_000
 
 
-def seconds_per_step(config: TrainConfig, model_preset: str, device: torch.device, steps: int,
-                     warmup: int = 3) -> float:
-    model = create_model(preset(model_preset), seed=0).to(device).train()
+def seconds_per_step(config: TrainConfig, initial: LipschitzViT, device: torch.device,
+                     steps: int, warmup: int = 3) -> float:
+    model = copy.deepcopy(initial).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     generator = torch.Generator().manual_seed(0)
     x = torch.rand(config.batch_size, 3, 32, 32, generator=generator).to(device)
@@ -49,6 +53,7 @@ def seconds_per_step(config: TrainConfig, model_preset: str, device: torch.devic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="paper-d3")
+    parser.add_argument("--checkpoint", help="time this trained model instead of a fresh preset")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--power-iterations", type=int, default=2)
@@ -57,6 +62,8 @@ def main() -> None:
     args = parser.parse_args()
 
     device = resolve_device(args.device)
+    initial = (load_checkpoint(args.checkpoint) if args.checkpoint
+               else create_model(preset(args.preset), seed=0))
     configs = {
         "ce": TrainConfig(batch_size=args.batch_size),
         "certified": TrainConfig(batch_size=args.batch_size, loss="certified", train_eps=0.2,
@@ -67,7 +74,7 @@ def main() -> None:
     }
     rows = {}
     for name, config in configs.items():
-        step = seconds_per_step(config, args.preset, device, args.steps)
+        step = seconds_per_step(config, initial, device, args.steps)
         rows[name] = {"ms_per_step": 1e3 * step,
                       "seconds_per_epoch": step * EPOCH_IMAGES / args.batch_size}
         print(f"{name:26s} {1e3 * step:8.1f} ms/step  {rows[name]['seconds_per_epoch']:7.1f} "
@@ -78,6 +85,7 @@ def main() -> None:
     report = {"device": str(device), "processor": torch.cuda.get_device_name(device)
               if device.type == "cuda" else platform.processor() or platform.machine(),
               "threads": torch.get_num_threads(), "preset": args.preset,
+              "checkpoint": args.checkpoint,
               "batch_size": args.batch_size, "power_iterations": args.power_iterations,
               "rows": rows, "certified_over_plain": ratio,
               "unrefined_over_plain": unrefined}

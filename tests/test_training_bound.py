@@ -101,6 +101,27 @@ def test_softmax_first_order_estimate_converges_to_the_certifiers():
     assert grad.abs().sum() > 0
 
 
+def test_softmax_first_order_estimate_is_the_cheap_bound_where_attention_is_near_uniform():
+    """Like the certifier, the estimate skips the refinement's power steps where its cheap bound
+    is negligible next to zeta, takes that bound, and hands the start vectors back unchanged."""
+    g = torch.Generator().manual_seed(8)
+    heads, d, dh = 2, 16, 4
+    query, key = (1e-3 * torch.randn(heads, d, dh, generator=g, dtype=torch.float64)
+                  for _ in range(2))
+    value = torch.randn(heads, d, dh, generator=g, dtype=torch.float64) / d ** 0.5
+    output = torch.randn(heads, dh, d, generator=g, dtype=torch.float64) / d ** 0.5
+    w = AttentionWeights(query, key, value, output, residual=True, scale=dh ** 0.5)
+    tokens = torch.randn(3, 5, d, generator=g, dtype=torch.float64) / d ** 0.5
+    exact = attention_sensitivity(tokens, w, score_bound="relaxed", softmax_jacobian=True,
+                                  method=DENSE)
+    start = torch.randn(3, 2, 5, d, generator=g, dtype=torch.float64)
+    estimate, vectors = attention_sensitivity_estimate(tokens, w, start=start, iterations=50,
+                                                       softmax_jacobian=True)
+    assert torch.equal(vectors[:, 1], start[:, 1])
+    assert torch.allclose(estimate.softmax_first_order, exact.softmax_first_order, rtol=1e-6)
+    assert (estimate.softmax_first_order < 1e-3 * estimate.zeta).all()
+
+
 def test_warm_started_estimate_is_close_after_a_few_steps():
     """Two power steps from the previous batch's vectors: within 2 % of the dense zeta."""
     model = small_model()

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lofast.bounds.attention import (
+    SOFTMAX_NEGLIGIBLE,
     TIGHT_KAPPA,
     AttentionSensitivity,
     AttentionWeights,
@@ -29,7 +30,7 @@ from lofast.bounds.attention import (
     probabilities_from_projections,
     softmax_first_order_maps,
 )
-from lofast.bounds.spectral import Guarantee, power_iterate
+from lofast.bounds.spectral import Guarantee, LinearMap, power_iterate
 
 # Floor under squared norms before the square root (whose gradient is unbounded at 0) and under
 # the norms that vectors are divided by (a zero vector stays zero, not NaN).
@@ -91,7 +92,8 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionWeights, *, kappa: flo
     """The quantities of the certifier's default bound ("lofast": zeta and the relaxed score term
     xi_l = ||A_l X^T|| + ||X A_l||) at tokens X (B, n, d), in X's dtype, with gradients with
     respect to X and the weights; with ``softmax_jacobian`` also zeta_s = ||D_X|| of the
-    second-order refinement, by power steps of its own.
+    second-order refinement, as the certifier takes it: the smaller of a cheap bound and, unless
+    that is negligible next to zeta in every sample, power steps of its own.
 
     start: (B, V, n, d) initial vectors of the power iterations, V = 2 with the refinement and 1
     without (e.g. the previous batch's; random when None or of another shape). Returns the
@@ -103,38 +105,47 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionWeights, *, kappa: flo
                                for weight in (query, key, value))  # (B, h, n, dh)
     probs = probabilities_from_projections(x_query, x_key, w.scale)  # (B, h, n, n)
 
-    maps = [first_order_maps(probs, value, output, w.residual)]
-    if softmax_jacobian:
-        x_value_out = torch.einsum("bhne,hef->bhnf", x_value, output)  # (B, h, n, d) X B_l
-        maps.append(softmax_first_order_maps(probs, x_query, x_key, query, key, x_value_out,
-                                             w.scale))
-    shape = (X.shape[0], len(maps), *X.shape[1:])
+    shape = (X.shape[0], 2 if softmax_jacobian else 1, *X.shape[1:])
     if start is None or start.shape != shape:
         start = torch.randn(shape, generator=generator, dtype=torch.float32,
                             device=generator.device if generator is not None else X.device)
     start = start.to(X)
-    vectors, norms = [], []
-    for k, (apply, adjoint) in enumerate(maps):
-        v = start[:, k].flatten(1)
+
+    def estimated_norm(v: Tensor, apply: LinearMap, adjoint: LinearMap) -> tuple[Tensor, Tensor]:
+        """||apply|| (B,) after power steps from v (B, n, d), and the final vectors."""
+        v = v.flatten(1)
         v = v / torch.linalg.vector_norm(v, dim=1, keepdim=True).clamp_min(SQUARED_NORM_FLOOR)
         with torch.no_grad():
-            v = power_iterate(lambda u, apply=apply, adjoint=adjoint:
-                              adjoint(apply(u.view(X.shape))).flatten(1),
+            v = power_iterate(lambda u: adjoint(apply(u.view(X.shape))).flatten(1),
                               v, iterations).view(X.shape)
-        vectors.append(v)
-        norms.append(torch.linalg.vector_norm(apply(v), dim=(1, 2)))
+        return torch.linalg.vector_norm(apply(v), dim=(1, 2)), v
 
+    zeta, zeta_vector = estimated_norm(start[:, 0],
+                                       *first_order_maps(probs, value, output, w.residual))
+    vectors = [zeta_vector]
     # ||X A_l^T|| = ||(X Wk_l) Wq_l^T||, ||X A_l|| = ||(X Wq_l) Wk_l^T||, ||X B_l|| = ||(X Wv_l) Wo_l||:
     # each right factor is replaced by its row-space factor, so the per-sample Gram matrices are
     # formed from (n, dh) products instead of (n, d) ones
     score = (top_singular_value_estimate(x_key @ row_space_factor(query.mT))  # X A_l^T
              + top_singular_value_estimate(x_query @ row_space_factor(key.mT)))  # X A_l, (B, h)
     value_norm = top_singular_value_estimate(x_value @ row_space_factor(output))  # (B, h) ||X B_l||
+    softmax = None
+    if softmax_jacobian:
+        # as in the certifier: the cheap bound sum_l ||J_l|| m_l ||X B_l|| / s on ||D_X||, and
+        # the power steps only where it is not negligible next to zeta (in some sample)
+        softmax = (score * value_norm).sum(dim=1) / (2.0 * w.scale)
+        if bool((softmax > SOFTMAX_NEGLIGIBLE * zeta).any()):
+            x_value_out = torch.einsum("bhne,hef->bhnf", x_value, output)  # (B, h, n, d) X B_l
+            norm, softmax_vector = estimated_norm(start[:, 1], *softmax_first_order_maps(
+                probs, x_query, x_key, query, key, x_value_out, w.scale))
+            softmax = torch.minimum(softmax, norm)
+        else:
+            softmax_vector = start[:, 1]
+        vectors.append(softmax_vector)
     sensitivity = AttentionSensitivity(
-        zeta=norms[0], score_sensitivity=score, value_norm=value_norm,
+        zeta=zeta, score_sensitivity=score, value_norm=value_norm,
         score_weight_norm=product_norm(query, key.mT),
         value_weight_norm=product_norm(value, output), scale=float(w.scale),
-        kappa=float(kappa), guarantee=Guarantee.ESTIMATE,
-        softmax_first_order=norms[1] if softmax_jacobian else None)
+        kappa=float(kappa), guarantee=Guarantee.ESTIMATE, softmax_first_order=softmax)
     return sensitivity, torch.stack(vectors, dim=1).detach()
 
