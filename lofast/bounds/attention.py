@@ -543,13 +543,13 @@ def verified_first_order_norm(probs: Tensor, f: FirstOrderFactors, method: Spect
         p = probs[first: first + size]
         todo = torch.arange(len(p), device=probs.device)
         for vector, steps in ((along, 1), (start, method.estimate_steps)):
+            if len(todo) == 0:
+                break
             estimate = _first_order_estimate(p[todo], f, vector, steps)
             # the first bound the verification would try (in units of f.unit); NaN: verify
             tried = estimate.clamp_min(0.0).sqrt() * (1.0 + method.relative_slack)
             unsettled = ~(chunk[todo] <= tried * f.unit)
             todo, estimate = todo[unsettled], estimate[unsettled]
-            if len(todo) == 0:
-                break
         if len(todo) == 0:
             continue
         negated, error = first_order_negated_gram(p[todo], f, workspace[: len(todo)])

@@ -9,11 +9,12 @@ is taken through the final vectors held fixed, d||T v|| = u^T dT v with u = T v 
 is the exact gradient of the top singular value once v has converged.
 
 The explicit norms of weights are the square root of the top eigenvalue of the smaller Gram
-matrix, whose gradient V diag(g) V^T needs no eigenvalue gaps (unlike the full SVD's): trained
-weights pile their singular values up at the caps. The per-sample explicit norms, thousands of
-tiny matrices per batch, are ||M v|| for an estimate v of that top eigenvector found by repeated
-squaring, 2.5x cheaper than a batched eigendecomposition (which took a quarter of a certified
-step); the gradient, again through v held fixed, is exact once v has converged.
+matrix, whose gradient V diag(g) V^T needs no eigenvalue gaps (unlike the full SVD's): capped,
+orthogonally initialised weights can have nearly equal top singular values, where repeated
+squaring (below) converges too slowly for an exact gradient. The per-sample explicit norms,
+thousands of tiny matrices per batch, are ||M v|| for an estimate v of that top eigenvector
+found by repeated squaring, 2.5x cheaper than a batched eigendecomposition (which took a quarter
+of a certified step); the gradient, again through v held fixed, is exact once v has converged.
 """
 
 from __future__ import annotations
