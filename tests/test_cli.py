@@ -286,6 +286,28 @@ def test_certify_table_output(checkpoint, data_dir):
     assert "NOT a certificate" in result.output or "estimate" in result.output
 
 
+def test_progress_lines_where_no_bar_is_drawn(checkpoint, data_dir, tmp_path, monkeypatch):
+    # CliRunner's stderr is not a terminal, like a log file: rich draws no bar there
+    from lofast.cli import progress
+
+    train = ["train", "--dataset", "folder", "--data", str(data_dir), "--init", str(checkpoint),
+             "--epochs", "1", "--batch-size", "16", "--device", "cpu",
+             "--out", str(tmp_path / "p.safetensors")]
+    certify = ["certify", "--checkpoint", str(checkpoint), "--data", str(data_dir),
+               "--eps", "0.05", "--n", "8", "--batch-size", "4"]
+    quiet = CliRunner().invoke(cli, certify)  # the first line waits PLAIN_PROGRESS_SECONDS
+    assert quiet.exit_code == 0 and "samples," not in quiet.output
+    monkeypatch.setattr(progress, "PLAIN_PROGRESS_SECONDS", 0.0)
+    trained = CliRunner().invoke(cli, train)
+    assert trained.exit_code == 0, trained.output
+    assert "epoch 1/1, step 1/6: loss" in trained.output  # 96 images in batches of 16
+    assert "epoch 1/1, step 6/6: loss" in trained.output
+    certified = CliRunner().invoke(cli, certify)
+    assert certified.exit_code == 0, certified.output
+    assert "certified 4/8 samples," in certified.output
+    assert "certified 8/8 samples," in certified.output
+
+
 @pytest.mark.parametrize("eps", ["0", "-0.1", "abc", "nan", "1/0", "0/255", "-36/255", "1/2/3"])
 def test_certify_rejects_bad_eps(checkpoint, data_dir, eps):
     result = CliRunner().invoke(cli, ["certify", "--checkpoint", str(checkpoint), "--data",

@@ -105,6 +105,7 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
         load_checkpoint,
         read_metadata,
     )
+    from lofast.cli.progress import PlainProgress
     from lofast.data import load_dataset
     from lofast.data.sample import class_balanced_order, load_bundled_sample
     from lofast.errors import LofastError
@@ -149,6 +150,7 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
     eps_tensor = torch.tensor(eps, dtype=torch.float64)
     started = time.perf_counter()
     failure_probability = 0.0
+    plain = PlainProgress(console)
     columns = [TextColumn("certifying"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn()]
     try:
@@ -179,8 +181,9 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
                     run_fallback(model, x, batch_records, eps, fallback, fallback_timeout)
                 writer.write(batch_records)
                 records.extend(batch_records)
-                progress.update(task, advance=len(index),
-                                rate=f"{1e3 * per_sample:.2f} ms/sample")
+                rate = f"{1e3 * per_sample:.2f} ms/sample"
+                progress.update(task, advance=len(index), rate=rate)
+                plain(f"certified {len(records)}/{len(order)} samples, {rate}")
     finally:
         writer.close()
     guarantee_text = settings.method.describe()

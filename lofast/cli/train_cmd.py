@@ -96,6 +96,7 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from lofast.checkpoint import file_digest, load_checkpoint, save_checkpoint
+    from lofast.cli.progress import PlainProgress
     from lofast.config import TrainConfig
     from lofast.config import preset as make_preset
     from lofast.data import load_dataset
@@ -144,12 +145,15 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
                TextColumn("{task.completed}/{task.total}"),
                TextColumn("loss {task.fields[loss]:.3f} acc {task.fields[acc]:.1%} "
                           "{task.fields[ips]:.0f} img/s"), TimeElapsedColumn()]
+    plain = PlainProgress(console)
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("train", total=1, epoch="-", loss=0.0, acc=0.0, ips=0.0)
 
         def on_step(s):
             progress.update(task, completed=s.step, total=s.steps, epoch=f"{s.epoch}/{epochs}",
                             loss=s.loss, acc=s.accuracy, ips=s.images_per_second)
+            plain(f"epoch {s.epoch}/{epochs}, step {s.step}/{s.steps}: loss {s.loss:.4f}, "
+                  f"train acc {s.accuracy:.2%}, {s.images_per_second:.0f} img/s")
 
         def on_epoch(s):
             progress.console.print(
