@@ -142,6 +142,8 @@ class Certifier:
         self.settings = settings or CertifySettings()
         self.device = torch.device(device)
         self.model = copy.deepcopy(model).to(self.device, torch.float64).eval()
+        with torch.no_grad():
+            self.model.hold_effective_weights(True)  # the copy's weights never change
         self.structure = self.model.structure()
         if not isinstance(self.structure[0], EmbedSpec) or not isinstance(self.structure[-1], HeadSpec):
             raise CertificationError("model must start with a patch embedding and end with a head")

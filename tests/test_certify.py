@@ -170,6 +170,23 @@ def test_first_projection_bound_skips_the_class_token(monkeypatch):
         assert (best >= 0.7 * bound).all()
 
 
+def test_certifier_computes_the_capped_weights_once(trained, certificate, monkeypatch):
+    from lofast.models import layers
+
+    model, x, y = trained
+    certifier = Certifier(model, CertifySettings())
+    fresh = copy.deepcopy(certifier.model)
+    fresh.hold_effective_weights(False)
+    with torch.no_grad():  # the held weights are the ones computed afresh
+        assert torch.equal(certifier.model(x.double()), fresh(x.double()))
+    caps = []
+    monkeypatch.setattr(layers, "spectral_cap", lambda w, cap: caps.append(w) or w)
+    held = certifier.certify(x, y)
+    assert caps == []  # no SVD per batch: the copy holds its effective weights
+    assert torch.equal(held.margins, certificate.margins)
+    assert torch.equal(held.radius(), certificate.radius())
+
+
 def test_probabilistic_and_exact_agree(trained):
     model, x, y = trained
     exact = Certifier(model, CertifySettings(method=SpectralMethod(kind="dense"))).certify(x, y)

@@ -262,7 +262,7 @@ def test_reusing_effective_weights_changes_nothing():
     with model.reusing_effective_weights():
         reused = model(x)
     assert torch.equal(plain, reused)
-    assert all(s.reuse is None for s in model.stages if hasattr(s, "reuse"))
+    assert all(s.held is None for s in model.stages if hasattr(s, "held"))
 
 
 def test_bad_certified_settings_are_rejected():

@@ -55,9 +55,18 @@ class PatchEmbed(nn.Module):
         self.bias = nn.Parameter(torch.zeros(width))
         self.position = nn.Parameter(0.02 * torch.randn(num_patches, width))
         self.cls_token = nn.Parameter(torch.zeros(width))
+        self.held: Tensor | None = None  # see hold_effective_weights
 
     def effective_weight(self) -> Tensor:
+        if self.held is not None:
+            return self.held
         return spectral_cap(self.weight, self.cap)
+
+    def hold_effective_weights(self, hold: bool) -> None:
+        """Compute the capped weight (an SVD) once and reuse it until released; the raw
+        weight must not change meanwhile."""
+        self.held = None
+        self.held = self.effective_weight() if hold else None
 
     def patchify(self, x: Tensor) -> Tensor:
         """(B, C, H, W) -> (B, n_patches, C*p*p), row-major patches; an isometry."""
@@ -112,12 +121,18 @@ class Attention(nn.Module):
             w = torch.empty(width, width)
             nn.init.orthogonal_(w)
             self.weights[name] = nn.Parameter(w)
-        self.reuse: dict[str, Tensor] | None = None  # see LipschitzViT.reusing_effective_weights
+        self.held: dict[str, Tensor] | None = None  # see hold_effective_weights
 
     def effective_weights(self) -> dict[str, Tensor]:
-        if self.reuse is not None:
-            return self.reuse
+        if self.held is not None:
+            return self.held
         return {name: spectral_cap(self.weights[name], cap) for name, cap in self.caps.items()}
+
+    def hold_effective_weights(self, hold: bool) -> None:
+        """Compute the capped weights (an SVD each) once and reuse them until released; the
+        raw weights must not change meanwhile."""
+        self.held = None
+        self.held = self.effective_weights() if hold else None
 
     def _split_heads(self, x: Tensor) -> Tensor:
         b, n, _ = x.shape

@@ -57,17 +57,21 @@ class LipschitzViT(nn.Module):
 
     @contextlib.contextmanager
     def reusing_effective_weights(self) -> Iterator[None]:
-        """Within the block, attention stages compute their capped weights (an SVD each) once
-        and reuse them, for a training step that evaluates them twice (forward pass and
-        training bound). The weights must not change inside the block."""
-        attention = [s for s in self.stages if isinstance(s, Attention)]
-        for stage in attention:
-            stage.reuse = stage.effective_weights()
+        """Within the block, the capped stages (patch embedding, attention) compute their
+        effective weights (an SVD each) once and reuse them, for a training step that evaluates
+        them twice (forward pass and training bound). The weights must not change inside."""
+        self.hold_effective_weights(True)
         try:
             yield
         finally:
-            for stage in attention:
-                stage.reuse = None
+            self.hold_effective_weights(False)
+
+    def hold_effective_weights(self, hold: bool) -> None:
+        """hold=True: from now on the capped stages reuse their current effective weights, for
+        a model whose weights stay fixed (the certifier's private copy); False releases them."""
+        for stage in self.stages:
+            if isinstance(stage, (PatchEmbed, Attention)):
+                stage.hold_effective_weights(hold)
 
     @torch.no_grad()
     def structure(self) -> list[StageSpec]:
