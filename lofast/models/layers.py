@@ -38,7 +38,17 @@ def _frozen(t: Tensor) -> Tensor:
     return t.detach().to(torch.float64).clone(memory_format=torch.contiguous_format)
 
 
-class PatchEmbed(nn.Module):
+class HoldsCappedWeights:
+    """For stages whose effective weights cost an SVD each (``_capped``): hold them once and
+    reuse them until released. The raw weights must not change or move meanwhile."""
+
+    held = None
+
+    def hold_effective_weights(self, hold: bool) -> None:
+        self.held = self._capped() if hold else None
+
+
+class PatchEmbed(HoldsCappedWeights, nn.Module):
     """Images (B, C, H, W) in [0,1] -> tokens (B, 1 + n_patches, d), class token first."""
 
     constant_tokens = 1  # the class token: the same for every image
@@ -55,18 +65,12 @@ class PatchEmbed(nn.Module):
         self.bias = nn.Parameter(torch.zeros(width))
         self.position = nn.Parameter(0.02 * torch.randn(num_patches, width))
         self.cls_token = nn.Parameter(torch.zeros(width))
-        self.held: Tensor | None = None  # see hold_effective_weights
 
-    def effective_weight(self) -> Tensor:
-        if self.held is not None:
-            return self.held
+    def _capped(self) -> Tensor:
         return spectral_cap(self.weight, self.cap)
 
-    def hold_effective_weights(self, hold: bool) -> None:
-        """Compute the capped weight (an SVD) once and reuse it until released; the raw
-        weight must not change meanwhile."""
-        self.held = None
-        self.held = self.effective_weight() if hold else None
+    def effective_weight(self) -> Tensor:
+        return self.held if self.held is not None else self._capped()
 
     def patchify(self, x: Tensor) -> Tensor:
         """(B, C, H, W) -> (B, n_patches, C*p*p), row-major patches; an isometry."""
@@ -101,7 +105,7 @@ class LayerProject(nn.Module):
         return ProjectSpec(radius=self.radius)
 
 
-class Attention(nn.Module):
+class Attention(HoldsCappedWeights, nn.Module):
     """Residual multi-head dot-product attention X + sum_l P_l(X) X Wv_l Wo_l, no biases.
 
     Heads split the columns of Wq, Wk, Wv (d, d) and the rows of Wo (d, d); the caps apply to
@@ -121,18 +125,12 @@ class Attention(nn.Module):
             w = torch.empty(width, width)
             nn.init.orthogonal_(w)
             self.weights[name] = nn.Parameter(w)
-        self.held: dict[str, Tensor] | None = None  # see hold_effective_weights
 
-    def effective_weights(self) -> dict[str, Tensor]:
-        if self.held is not None:
-            return self.held
+    def _capped(self) -> dict[str, Tensor]:
         return {name: spectral_cap(self.weights[name], cap) for name, cap in self.caps.items()}
 
-    def hold_effective_weights(self, hold: bool) -> None:
-        """Compute the capped weights (an SVD each) once and reuse them until released; the
-        raw weights must not change meanwhile."""
-        self.held = None
-        self.held = self.effective_weights() if hold else None
+    def effective_weights(self) -> dict[str, Tensor]:
+        return self.held if self.held is not None else self._capped()
 
     def _split_heads(self, x: Tensor) -> Tensor:
         b, n, _ = x.shape

@@ -9,7 +9,15 @@ import torch
 from torch import Tensor, nn
 
 from lofast.config import ModelConfig
-from lofast.models.layers import SLL, Attention, LayerProject, NormalizedHead, PatchEmbed, Pool
+from lofast.models.layers import (
+    SLL,
+    Attention,
+    HoldsCappedWeights,
+    LayerProject,
+    NormalizedHead,
+    PatchEmbed,
+    Pool,
+)
 from lofast.models.structure import StageSpec
 
 
@@ -70,7 +78,7 @@ class LipschitzViT(nn.Module):
         """hold=True: from now on the capped stages reuse their current effective weights, for
         a model whose weights stay fixed (the certifier's private copy); False releases them."""
         for stage in self.stages:
-            if isinstance(stage, (PatchEmbed, Attention)):
+            if isinstance(stage, HoldsCappedWeights):
                 stage.hold_effective_weights(hold)
 
     @torch.no_grad()
