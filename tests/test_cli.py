@@ -120,6 +120,31 @@ def test_resume_after_interrupt_matches_uninterrupted_run(data_dir, tmp_path, mo
     assert all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
 
 
+def test_diverging_run_stops_before_saving_its_weights(data_dir, tmp_path, monkeypatch):
+    import torch
+
+    import lofast.train as train_module
+
+    original = train_module.training_loss
+    calls = {"n": 0}
+
+    def nan_in_epoch_two(*a, **k):  # 96 images in batches of 16: 6 steps per epoch
+        calls["n"] += 1
+        loss = original(*a, **k)
+        return loss * float("nan") if calls["n"] == 9 else loss
+
+    monkeypatch.setattr(train_module, "training_loss", nan_in_epoch_two)
+    out = tmp_path / "d.safetensors"
+    result = CliRunner().invoke(cli, [
+        "train", "--dataset", "folder", "--data", str(data_dir), "--preset", "tiny",
+        "--batch-size", "16", "--device", "cpu", "--epochs", "3", "--out", str(out)])
+    assert result.exit_code == 1 and "diverged at epoch 2" in result.output
+    assert "Traceback" not in result.output and not out.exists()
+    state = train_module.load_training_state(out.with_name(out.name + ".state.pt"))
+    assert state["epoch"] == 1
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
 def test_init_starts_from_the_checkpoint(checkpoint, data_dir, tmp_path):
     from safetensors.torch import load_file
 
