@@ -131,7 +131,9 @@ def check_sll(spec: SLLSpec, index: int) -> None:
 def attention_weights(spec: AttentionSpec, device: torch.device) -> AttentionWeights:
     return AttentionWeights(query=spec.query.to(device), key=spec.key.to(device),
                             value=spec.value.to(device), output=spec.output.to(device),
-                            residual=spec.residual, scale=spec.scale)
+                            residual=spec.residual, scale=spec.scale,
+                            position_bias=None if spec.position_bias is None
+                            else spec.position_bias.to(device))
 
 
 class Certifier:

@@ -34,6 +34,10 @@ class ModelConfig:
     final_radius: float | None = 1.0  # LayerProject before pooling (None: none)
     pool: str = "mean"  # "mean" over tokens (1/sqrt(n)-Lipschitz) or "cls"
     input_center: float = 0.5  # x - c is an isometry; no std division (it would scale L)
+    # A learned (heads, n, n) bias added to every attention block's scores. It does not depend
+    # on the input, so it adds nothing to the softmax terms of the bound; zeta is taken around
+    # softmax(bias) instead of uniform attention. Collapsed scores still mix tokens spatially.
+    position_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size:

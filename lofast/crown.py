@@ -119,7 +119,8 @@ class PlainProject(nn.Module):
 
 
 class PlainAttention(nn.Module):
-    """X + sum_l softmax(X Wq_l (X Wk_l)^T / scale) X Wv_l Wo_l on (B, n, d), no biases.
+    """X + sum_l softmax(X Wq_l (X Wk_l)^T / scale + C_l) X Wv_l Wo_l on (B, n, d), no biases
+    on the projections (C_l: the position bias, or none).
 
     The 1/scale is folded into Wq; heads are the same column blocks as in `Attention`.
     """
@@ -133,6 +134,8 @@ class PlainAttention(nn.Module):
         self.register_buffer("key", w["key"])
         self.register_buffer("value", w["value"])
         self.register_buffer("output", w["output"])
+        bias = stage.position_bias
+        self.register_buffer("position_bias", None if bias is None else _const(bias))
 
     def _split_heads(self, x: Tensor) -> Tensor:  # (B, n, d) -> (B, h, n, dh)
         return x.reshape(x.shape[0], x.shape[1], self.heads, self.head_dim).transpose(1, 2)
@@ -141,7 +144,10 @@ class PlainAttention(nn.Module):
         q = self._split_heads(x.matmul(self.query))
         k = self._split_heads(x.matmul(self.key))
         v = self._split_heads(x.matmul(self.value))
-        probs = torch.softmax(q.matmul(k.transpose(-1, -2)), dim=-1)  # (B, h, n, n)
+        scores = q.matmul(k.transpose(-1, -2))  # (B, h, n, n)
+        if self.position_bias is not None:
+            scores = scores + self.position_bias
+        probs = torch.softmax(scores, dim=-1)
         mixed = probs.matmul(v).transpose(1, 2).reshape(x.shape)  # (B, n, d)
         return x + mixed.matmul(self.output)
 

@@ -9,6 +9,7 @@ import torch
 
 from lofast.bounds import attention
 from lofast.bounds.attention import (
+    REFERENCE_SLACK,
     AttentionSensitivity,
     AttentionWeights,
     attention_forward,
@@ -16,7 +17,7 @@ from lofast.bounds.attention import (
     attention_sensitivity,
     first_order_factors,
     first_order_negated_gram,
-    near_uniform_first_order_bound,
+    near_reference_first_order_bound,
     uniform_mix_norm,
 )
 from lofast.bounds.spectral import Guarantee, SpectralMethod
@@ -37,14 +38,18 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
-def make_weights(h, d, dh, residual, seed, gain=1.0):
+def make_weights(h, d, dh, residual, seed, gain=1.0, bias_tokens=None):
+    """Random block weights; with bias_tokens = n also a position bias (h, n, n) of spread 2."""
     g = torch.Generator().manual_seed(seed)
 
     def draw(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64) * gain / math.sqrt(shape[1])
 
+    bias = (None if bias_tokens is None else
+            2.0 * torch.randn(h, bias_tokens, bias_tokens, generator=g, dtype=torch.float64))
     return AttentionWeights(query=draw(h, d, dh), key=draw(h, d, dh), value=draw(h, d, dh),
-                            output=draw(h, dh, d), residual=residual, scale=math.sqrt(d / h))
+                            output=draw(h, dh, d), residual=residual, scale=math.sqrt(d / h),
+                            position_bias=bias)
 
 
 def make_tokens(batch, n, d, row_norm, seed):
@@ -59,12 +64,14 @@ def make_tokens(batch, n, d, row_norm, seed):
 
 
 def reference_probabilities(X, w):
-    """Per-head loop in numpy: softmax(X Wq (X Wk)^T / s) row by row."""
+    """Per-head loop in numpy: softmax(X Wq (X Wk)^T / s + C) row by row."""
     X = X.numpy()
     out = np.zeros((X.shape[0], w.query.shape[0], X.shape[1], X.shape[1]))
     for b in range(X.shape[0]):
         for l in range(w.query.shape[0]):
             scores = (X[b] @ w.query[l].numpy()) @ (X[b] @ w.key[l].numpy()).T / w.scale
+            if w.position_bias is not None:
+                scores = scores + w.position_bias[l].numpy()
             e = np.exp(scores - scores.max(axis=1, keepdims=True))
             out[b, l] = e / e.sum(axis=1, keepdims=True)
     return out
@@ -118,8 +125,9 @@ CONFIGS = [(3, 6, 2, True), (4, 8, 2, False), (5, 12, 3, True), (2, 10, 5, False
 
 @pytest.mark.parametrize("n, d, h, residual", CONFIGS)
 @pytest.mark.parametrize("method", [DENSE, LANCZOS, VERIFIED], ids=["dense", "lanczos", "verified"])
-def test_norms_match_dense_references(n, d, h, residual, method):
-    w = make_weights(h, d, 2, residual, seed=n * d)
+@pytest.mark.parametrize("biased", [False, True], ids=["", "position-bias"])
+def test_norms_match_dense_references(n, d, h, residual, method, biased):
+    w = make_weights(h, d, 2, residual, seed=n * d, bias_tokens=n if biased else None)
     X = make_tokens(3, n, d, 1.0, seed=h)
     zeta_ref, naive_ref = reference_first_order(X, w)
     m_ref, xi_ref = reference_score(X, w)
@@ -169,16 +177,18 @@ def test_lanczos_with_many_steps_on_a_larger_block():
     assert (sens.score_sensitivity.numpy() <= m_ref * (1 + SLACK + 1e-12)).all()
 
 
-def test_forward_and_probabilities_match_references():
+@pytest.mark.parametrize("biased", [False, True], ids=["", "position-bias"])
+def test_forward_and_probabilities_match_references(biased):
     for residual in (True, False):
-        w = make_weights(3, 9, 3, residual, seed=15)
+        w = make_weights(3, 9, 3, residual, seed=15, bias_tokens=4 if biased else None)
         X = make_tokens(2, 4, 9, 2.0, seed=16)
         X = X.float().double()  # float32 tokens are promoted to float64
         P = attention_probabilities(X.float(), w)
         assert P.dtype == torch.float64 and P.shape == (2, 3, 4, 4)
         assert np.allclose(P.numpy(), reference_probabilities(X, w), rtol=1e-12, atol=1e-14)
         heads = [torch.nn.functional.scaled_dot_product_attention(
-            X @ w.query[l], X @ w.key[l], X @ w.value[l], scale=1.0 / w.scale) @ w.output[l]
+            X @ w.query[l], X @ w.key[l], X @ w.value[l], scale=1.0 / w.scale,
+            attn_mask=None if w.position_bias is None else w.position_bias[l]) @ w.output[l]
             for l in range(3)]
         expected = sum(heads) + (X if residual else 0)
         assert torch.allclose(attention_forward(X, w), expected, rtol=1e-12, atol=1e-14)
@@ -213,10 +223,11 @@ def pgd_lower_bound(X, w, eps, restarts=6, steps=250, seed=0):
     return best.reshape(len(eps), restarts, batch).amax(dim=1).T
 
 
-@pytest.mark.parametrize("residual", [True, False])
-@pytest.mark.parametrize("row_norm", [0.1, 1.0, 2.0])
-def test_delta_dominates_pgd(residual, row_norm):
-    w = make_weights(4, 16, 4, residual, seed=17)
+@pytest.mark.parametrize("residual, row_norm, biased", [
+    (True, 0.1, False), (True, 1.0, False), (True, 2.0, False), (False, 0.1, False),
+    (False, 1.0, False), (False, 2.0, False), (True, 1.0, True), (False, 2.0, True)])
+def test_delta_dominates_pgd(residual, row_norm, biased):
+    w = make_weights(4, 16, 4, residual, seed=17, bias_tokens=5 if biased else None)
     X = make_tokens(3, 5, 16, row_norm, seed=18)
     attack = pgd_lower_bound(X, w, EPS)
     assert (attack > 0.5 * EPS).all()  # the attack really moved the output
@@ -354,16 +365,28 @@ def test_validation():
     with pytest.raises(ValueError, match="scale"):
         AttentionWeights(query=w.query, key=w.key, value=w.value, output=w.output,
                          residual=True, scale=0.0)
+    parts = {"query": w.query, "key": w.key, "value": w.value, "output": w.output,
+             "residual": True, "scale": 2.0}
+    with pytest.raises(ValueError, match="position bias must be"):
+        AttentionWeights(**parts, position_bias=torch.zeros(3, 3, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="position bias must be"):
+        AttentionWeights(**parts, position_bias=torch.zeros(2, 3, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="NaN"):
+        AttentionWeights(**parts, position_bias=torch.full((2, 3, 3), float("nan")))
+    biased = AttentionWeights(**parts, position_bias=torch.zeros(2, 4, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="position bias expects 4"):
+        attention_sensitivity(X, biased)
 
 
 # ---------------------------------------------------------------------------------------------
 # The verified zeta: the Kronecker Gram matrix, its rounding bound, and the Cholesky proof.
 
 
-def materialised_operator(X, w):
+def materialised_operator(X, w, P=None):
     """T_X as an explicit (B, nd, nd) float64 matrix, column by column from the block's own
-    linearisation G -> H G + sum_l P_l G Wv_l Wo_l (no Kronecker formula involved)."""
-    P = attention_probabilities(X, w)
+    linearisation G -> H G + sum_l P_l G Wv_l Wo_l (no Kronecker formula involved); with P
+    (B, h, n, n) given, the same map at that attention instead of P_l(X)."""
+    P = attention_probabilities(X, w) if P is None else P
     batch, n, d = X.shape
     basis = torch.eye(n * d, dtype=torch.float64).reshape(n * d, n, d)
     columns = []
@@ -463,7 +486,8 @@ def test_verified_zeta_of_a_zero_operator():
 def with_score_gain(w, gain):
     """The same block with Wq, Wk scaled by gain (attention more uniform as gain -> 0)."""
     return AttentionWeights(query=w.query * gain, key=w.key * gain, value=w.value,
-                            output=w.output, residual=w.residual, scale=w.scale)
+                            output=w.output, residual=w.residual, scale=w.scale,
+                            position_bias=w.position_bias)
 
 
 @pytest.mark.parametrize("n, d, h, dv, residual", GRAM_CONFIGS)
@@ -479,7 +503,8 @@ def test_near_uniform_bound_dominates_the_materialised_norm(n, d, h, dv, residua
     assert uniform_mix_norm(w.value, w.output, residual) >= mix
     assert uniform_mix_norm(w.value, w.output, residual) <= mix * (1 + 1e-8) + 1e-12
     branch_norms = torch.linalg.matrix_norm(products, ord=2)
-    bound = near_uniform_first_order_bound(probs, torch.tensor(mix), branch_norms, residual)
+    bound = near_reference_first_order_bound(probs, None, torch.tensor(max(mix, residual)),
+                                             branch_norms)
     assert (bound >= exact * (1 - 1e-12)).all()
     # its whole gap is the deviation term: zeta >= ||H + B|| (from G = 1 g^T)
     gap = (torch.linalg.matrix_norm(probs - 1.0 / n, ord=2) * branch_norms).sum(dim=1)
@@ -512,11 +537,75 @@ def test_near_uniform_bound_on_extreme_attention(residual, pattern, mixing):
     T = T + sum(np.kron(probs[0, l].numpy(), products[l].T) for l in range(h))
     exact = np.linalg.norm(T, 2)
     branch_norms = torch.linalg.matrix_norm(value @ output, ord=2)
-    bound = near_uniform_first_order_bound(probs, uniform_mix_norm(value, output, residual),
-                                           branch_norms, residual)
+    mix_norm = torch.clamp(uniform_mix_norm(value, output, residual), min=float(residual))
+    bound = near_reference_first_order_bound(probs, None, mix_norm, branch_norms)
     assert bound.item() >= exact * (1 - 1e-12)
     if pattern == "uniform":
         assert bound.item() <= exact * (1 + 1e-7)  # ROUNDING_MARGIN 1e-8 twice, and room
+
+
+@pytest.mark.parametrize("n, d, h, dv, residual", GRAM_CONFIGS)
+@pytest.mark.parametrize("score_gain", [1e-3, 0.3, 3.0])
+def test_near_reference_bound_with_a_position_bias(n, d, h, dv, residual, score_gain):
+    # zeta <= ||T_R|| + sum_l ||P_l - R_l|| ||B_l|| with R_l = softmax(C_l), ||T_R|| verified once
+    w = with_score_gain(make_weights(h, d, dv, residual, seed=51 + n + d, bias_tokens=n),
+                        score_gain)
+    X = make_tokens(4, n, d, 1.5, seed=52 + h)
+    exact = torch.linalg.matrix_norm(materialised_operator(X, w), ord=2)
+    reference = torch.softmax(w.position_bias, dim=-1)
+    assert torch.equal(w.reference_probabilities, reference)
+    T_R = materialised_operator(X[:1], w, reference[None])[0]
+    reference_exact = torch.linalg.matrix_norm(T_R, ord=2)
+    reference_norm, direction = w.reference_first_order
+    assert reference_exact <= reference_norm <= reference_exact * (1 + 2 * REFERENCE_SLACK)
+    assert direction.shape == (n * d,)
+    assert torch.linalg.vector_norm(T_R @ direction) >= reference_exact * (1 - 1e-3)
+    probs = attention_probabilities(X, w)
+    branch_norms = torch.linalg.matrix_norm(w.value @ w.output, ord=2)
+    bound = near_reference_first_order_bound(probs, reference, reference_norm, branch_norms)
+    assert (bound >= exact * (1 - 1e-12)).all()
+    gap = (torch.linalg.matrix_norm(probs - reference, ord=2) * branch_norms).sum(dim=1)
+    assert (bound <= reference_exact * (1 + 2 * REFERENCE_SLACK) + gap + 1e-12).all()
+    if n > 1:  # the bias really moved attention away from uniform
+        assert (torch.linalg.matrix_norm(reference - 1.0 / n, ord=2) > 0.2).all()
+    if score_gain == 1e-3 and n > 1:  # attention at its reference: the bound is essentially exact
+        assert (bound <= exact * (1 + 1e-4)).all()
+    zeta = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
+    assert (zeta >= exact).all() and (zeta <= exact * (1 + 2 * SLACK)).all()
+
+
+def test_a_wrong_reference_norm_is_caught():
+    # the bound takes the reference norm as given: one below ||T_R|| must show up as a bound
+    # below the exact zeta (the test above would fail on such a reference_first_order)
+    w = with_score_gain(make_weights(3, 12, 4, True, seed=53, bias_tokens=5), 1e-3)
+    X = make_tokens(4, 5, 12, 1.0, seed=54)
+    exact = torch.linalg.matrix_norm(materialised_operator(X, w), ord=2)
+    reference_norm, _ = w.reference_first_order
+    branch_norms = torch.linalg.matrix_norm(w.value @ w.output, ord=2)
+    low = near_reference_first_order_bound(attention_probabilities(X, w), w.reference_probabilities,
+                                           reference_norm * 0.999, branch_norms)
+    assert (low < exact).all()
+
+
+def test_verified_zeta_skips_the_gram_near_the_biased_reference(monkeypatch):
+    w = with_score_gain(make_weights(4, 16, 4, True, seed=45, bias_tokens=6), 1e-3)
+    X = make_tokens(6, 6, 16, 1.0, seed=46)
+    exact = torch.linalg.matrix_norm(materialised_operator(X, w), ord=2)
+    reference_norm, _ = w.reference_first_order  # once per block, with its own Gram matrix
+    assert reference_norm > 0
+
+    def no_gram(*args, **kwargs):
+        raise AssertionError("the Gram matrix should not be needed")
+
+    def rayleigh_quotient_only(gram, start, steps):  # nor Lanczos beyond its first step
+        assert steps == 1
+        return real_lanczos(gram, start, steps)
+
+    real_lanczos = attention.lanczos_ritz
+    monkeypatch.setattr(attention, "first_order_negated_gram", no_gram)
+    monkeypatch.setattr(attention, "lanczos_ritz", rayleigh_quotient_only)
+    zeta = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
+    assert (zeta >= exact).all() and (zeta <= exact * (1 + 2 * SLACK)).all()
 
 
 def test_verified_zeta_skips_the_gram_for_near_uniform_attention(monkeypatch):
@@ -645,10 +734,11 @@ def test_softmax_first_order_skipped_where_negligible(monkeypatch):
     assert torch.equal(skipped.softmax_first_order, cheap)
 
 
-@pytest.mark.parametrize("residual", [True, False])
-@pytest.mark.parametrize("row_norm", [0.5, 1.0, 2.0])
-def test_refined_delta_dominates_pgd_and_is_tighter(residual, row_norm):
-    w = make_weights(4, 16, 4, residual, seed=47, gain=2.0)
+@pytest.mark.parametrize("residual, row_norm, biased", [
+    (True, 0.5, False), (True, 1.0, False), (True, 2.0, False), (False, 0.5, False),
+    (False, 1.0, False), (False, 2.0, False), (True, 1.0, True)])
+def test_refined_delta_dominates_pgd_and_is_tighter(residual, row_norm, biased):
+    w = make_weights(4, 16, 4, residual, seed=47, gain=2.0, bias_tokens=5 if biased else None)
     X = make_tokens(3, 5, 16, row_norm, seed=48)
     attack = pgd_lower_bound(X, w, EPS)
     assert (attack > 0.5 * EPS).all()

@@ -30,11 +30,16 @@ def synthetic_images(n, generator):
     return images.clamp(0, 1), labels
 
 
-@pytest.fixture(scope="module")
-def trained():
+def train_tiny(**options):
+    """The tiny preset (patch 16, 5 tokens) trained for 100 steps on the synthetic images."""
     torch.manual_seed(0)
-    config = dataclasses.replace(preset("tiny"), patch_size=16, num_classes=4)
+    config = dataclasses.replace(preset("tiny"), patch_size=16, num_classes=4, **options)
     model = create_model(config, seed=0)
+    if config.position_bias:  # a strongly non-uniform reference attention from the start
+        with torch.no_grad():
+            for stage in model.stages:
+                if getattr(stage, "position_bias", None) is not None:
+                    stage.position_bias.normal_(0.0, 2.0)
     g = torch.Generator().manual_seed(0)
     x, y = synthetic_images(512, g)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -47,6 +52,16 @@ def trained():
     model.eval()
     test_x, test_y = synthetic_images(64, torch.Generator().manual_seed(1))
     return model, test_x, test_y
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return train_tiny()
+
+
+@pytest.fixture(scope="module")
+def trained_with_position_bias():
+    return train_tiny(position_bias=True)
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +78,14 @@ def test_model_learned_and_some_samples_certify(trained, certificate):
     assert 0 < certificate.failure_probability <= 1e-7
 
 
-@pytest.mark.parametrize("kind", ["lanczos", "verified"])
-def test_certified_samples_survive_pgd(trained, kind):
+@pytest.mark.parametrize("kind, model_name", [("lanczos", "trained"), ("verified", "trained"),
+                                               ("verified", "trained_with_position_bias")])
+def test_certified_samples_survive_pgd(kind, model_name, request):
     """Attack every sample just inside its certified radius: that ball contains the ball of
     every eps it is certified at, so one strong attack there checks all its verdicts. Both
-    certificate-grade methods: randomized Lanczos and the Cholesky-verified default of the CLI."""
-    model, x, y = trained
+    certificate-grade methods: randomized Lanczos and the Cholesky-verified default of the CLI;
+    and a model whose attention has position biases."""
+    model, x, y = request.getfixturevalue(model_name)
     certificate = Certifier(model, CertifySettings(method=SpectralMethod(kind=kind))).certify(x, y)
     radius = certificate.radius()
     inside = radius > 0
@@ -85,10 +102,11 @@ def test_certified_samples_survive_pgd(trained, kind):
     assert broken.float().mean() > 0.5
 
 
-@pytest.mark.parametrize("kind", ["lanczos", "verified"])
-def test_feature_bound_exceeds_pgd_feature_deviation(trained, kind):
+@pytest.mark.parametrize("kind, model_name", [("lanczos", "trained"), ("verified", "trained"),
+                                               ("verified", "trained_with_position_bias")])
+def test_feature_bound_exceeds_pgd_feature_deviation(kind, model_name, request):
     """The composed radius bounds the pooled-feature change: maximise that change with PGD."""
-    model, x, y = trained
+    model, x, y = request.getfixturevalue(model_name)
     certifier = Certifier(model, CertifySettings(method=SpectralMethod(kind=kind)))
     x, y = x[:8].double(), y[:8]
     cert = certifier.certify(x, y)

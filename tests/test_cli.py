@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
-from lofast.checkpoint import read_metadata
+from lofast.checkpoint import load_checkpoint, read_metadata
 from lofast.cli.main import cli
 
 
@@ -164,6 +164,32 @@ def test_init_starts_from_the_checkpoint(checkpoint, data_dir, tmp_path):
                    for k, v in load_file(str(tmp_path / "m.st")).items())
 
 
+def test_init_adds_position_biases(checkpoint, data_dir, tmp_path):
+    """--model-option position_bias=true with --init: the checkpoint's function with zero biases,
+    which then train."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "biased.safetensors"
+    result = CliRunner().invoke(cli, [
+        "train", "--dataset", "folder", "--data", str(data_dir), "--init", str(checkpoint),
+        "--model-option", "position_bias=true", "--epochs", "1", "--batch-size", "16",
+        "--lr", "3e-3", "--device", "cpu", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    model = load_checkpoint(out)
+    assert model.config.position_bias
+    start, after = load_file(str(checkpoint)), load_file(str(out))
+    biases = sorted(set(after) - set(start))
+    assert biases and all(k.endswith(".position_bias") for k in biases)
+    assert all(after[k].abs().max() > 0 for k in biases)  # they trained from zero
+    shown = CliRunner().invoke(cli, ["info", str(out)])
+    assert shown.exit_code == 0 and "softmax(C_l) - U" in shown.output
+    certified = CliRunner().invoke(cli, ["certify", "--checkpoint", str(out), "--data",
+                                         str(data_dir), "--eps", "0.05", "--n", "8",
+                                         "--device", "cpu", "--json"])
+    assert certified.exit_code == 0, certified.output
+    assert json.loads(certified.stdout)["samples"] == 8
+
+
 def train_from(checkpoint, data, tmp_path, *extra):
     out = tmp_path / "o.safetensors"
     result = CliRunner().invoke(cli, ["train", "--dataset", "folder", "--data", str(data),
@@ -173,7 +199,9 @@ def train_from(checkpoint, data, tmp_path, *extra):
     return result
 
 
-@pytest.mark.parametrize("extra", [["--preset", "tiny"], ["--model-option", "depth=2"]])
+@pytest.mark.parametrize("extra", [["--preset", "tiny"], ["--model-option", "depth=2"],
+                                   ["--model-option", "position_bias=true",
+                                    "--model-option", "heads=1"]])
 def test_init_refuses_an_architecture_of_its_own(checkpoint, data_dir, tmp_path, extra):
     result = train_from(checkpoint, data_dir, tmp_path, *extra)
     assert result.exit_code == 1 and "--preset" in result.output

@@ -73,6 +73,7 @@ EXPORT_CONFIGS = {
     "patch16": preset("tiny", patch_size=16, heads=4),
     # class-token pooling, a projection before every SLL layer, none before pooling
     "cls-pool": preset("tiny", pool="cls", mlp_radius=0.8, final_radius=None),
+    "position-bias": preset("tiny", position_bias=True),
 }
 
 

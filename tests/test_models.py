@@ -16,7 +16,7 @@ from lofast.models.layers import (
     Pool,
     spectral_cap,
 )
-from lofast.models.vit import create_model
+from lofast.models.vit import create_model, with_position_bias
 
 SLACK = 1e-5
 
@@ -117,6 +117,36 @@ def test_attention_spec_reproduces_forward():
     probs = scores.softmax(-1)
     expected = x + torch.einsum("bhnm,bmd,hde,hef->bnf", probs, x, s.value, s.output)
     torch.testing.assert_close(attn(x), expected)
+
+
+def test_position_bias_enters_the_scores_and_the_spec():
+    torch.manual_seed(4)
+    attn = Attention(32, 4, 1.0, 0.5, 0.5, num_tokens=6).double()
+    assert torch.equal(attn.position_bias, torch.zeros(4, 6, 6))  # uniform reference at start
+    with torch.no_grad():
+        attn.position_bias.normal_(0.0, 2.0)
+    x = torch.randn(3, 6, 32, dtype=torch.float64)
+    s = attn.spec()
+    assert torch.equal(s.position_bias, attn.position_bias.detach())
+    q = torch.einsum("bnd,hde->bhne", x, s.query)
+    k = torch.einsum("bmd,hde->bhme", x, s.key)
+    scores = torch.einsum("bhne,bhme->bhnm", q, k) / s.scale
+
+    def block(probs):
+        return x + torch.einsum("bhnm,bmd,hde,hef->bnf", probs, x, s.value, s.output)
+
+    torch.testing.assert_close(attn(x), block((scores + s.position_bias).softmax(-1)))
+    assert not torch.allclose(attn(x), block(scores.softmax(-1)))  # the bias matters
+
+
+def test_adding_position_biases_keeps_the_function():
+    model = create_model(preset("tiny"), seed=0).double()
+    extended = with_position_bias(model)
+    assert extended.config.position_bias and not model.config.position_bias
+    x = torch.rand(4, 3, 32, 32, dtype=torch.float64)
+    torch.testing.assert_close(extended(x), model(x), rtol=0, atol=0)
+    biases = [name for name, _ in extended.named_parameters() if "position_bias" in name]
+    assert len(biases) == model.config.depth
 
 
 def test_pool_and_head_constants():

@@ -22,10 +22,17 @@ from lofast.training_bound import TrainingBound
 DENSE = SpectralMethod(kind="dense")
 
 
-def small_model(seed=0):
+def small_model(seed=0, position_bias=False):
     # small attention caps keep every quantity in a range where float64 differences are clean
-    config = preset("tiny", num_classes=5, attn_radius=2.0, final_radius=1.5)
-    return create_model(config, seed=seed).double()
+    config = preset("tiny", num_classes=5, attn_radius=2.0, final_radius=1.5,
+                    position_bias=position_bias)
+    model = create_model(config, seed=seed).double()
+    if position_bias:  # attention far from uniform, whatever the scores
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("position_bias"):
+                    p.normal_(0.0, 2.0, generator=torch.Generator().manual_seed(seed))
+    return model
 
 
 def images(batch, seed=1):
@@ -38,12 +45,14 @@ def converged_radius(model, x, eps, iterations=2000):
     return bound(model, x, eps)
 
 
-@pytest.mark.parametrize("long_patches", [False, True])
-def test_training_bound_agrees_with_the_certifier(long_patches):
+@pytest.mark.parametrize("long_patches, position_bias", [(False, False), (True, False),
+                                                         (False, True)])
+def test_training_bound_agrees_with_the_certifier(long_patches, position_bias):
     """Converged power iteration reproduces the certifier's feature radius from below. With
     long patch tokens (a large embedding bias) and the zero class token, the first LayerProject
-    contracts only if both leave the constant class token out, as they must."""
-    model = small_model()
+    contracts only if both leave the constant class token out, as they must. With position
+    biases both must evaluate attention at the biased scores."""
+    model = small_model(position_bias=position_bias)
     if long_patches:
         with torch.no_grad():
             model.stages[0].bias.fill_(6.0 / model.config.width ** 0.5)  # patch norms ~6 > R
@@ -186,9 +195,10 @@ def test_row_space_factor_keeps_every_product_norm(rows, cols):
     assert torch.allclose(torch.linalg.matrix_norm(left @ factor, ord=2), dense, rtol=1e-10)
 
 
-def test_gradient_matches_finite_differences():
+@pytest.mark.parametrize("position_bias", [False, True])
+def test_gradient_matches_finite_differences(position_bias):
     """d radius / d parameters along a random direction, against central differences."""
-    model = small_model(seed=2)
+    model = small_model(seed=2, position_bias=position_bias)
     x = images(3, seed=4)
     eps = 0.2
     params = [p for p in model.parameters() if p.requires_grad]
@@ -220,11 +230,11 @@ def test_gradient_matches_finite_differences():
 
 
 def test_gradient_reaches_every_attention_weight():
-    model = small_model()
+    model = small_model(position_bias=True)
     _, radius = converged_radius(model, images(2), 0.1, iterations=5)
     radius.sum().backward()
     for name, p in model.named_parameters():
-        if "weights" in name:  # attention query/key/value/output
+        if "weights" in name or "position_bias" in name:  # query/key/value/output, bias
             assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 

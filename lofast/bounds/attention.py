@@ -1,8 +1,8 @@
 """LoFAST local sensitivity of one dot-product attention block (Theorem 1, Lemmas 1 and 2).
 
-The block is F(X) = H X + sum_l P_l(X) X B_l with P_l(X) = row_softmax(X A_l X^T / s),
-A_l = Wq_l Wk_l^T, B_l = Wv_l Wo_l, and H = I (residual) or H = 0. For every X' with
-||X' - X||_F <= eps:
+The block is F(X) = H X + sum_l P_l(X) X B_l with P_l(X) = row_softmax(X A_l X^T / s + C_l),
+A_l = Wq_l Wk_l^T, B_l = Wv_l Wo_l, C_l a fixed (n, n) position bias (0 in the paper's form),
+and H = I (residual) or H = 0. For every X' with ||X' - X||_F <= eps:
 
     ||F(X') - F(X)||_F <= zeta(X) eps
                           + sum_l (kappa eps / s) (m_l(X) + eps ||A_l||) (||X B_l|| + eps ||B_l||)
@@ -10,6 +10,8 @@ A_l = Wq_l Wk_l^T, B_l = Wv_l Wo_l, and H = I (residual) or H = 0. For every X' 
 with zeta = ||T_X||, T_X(G) = H G + sum_l P_l G B_l (Lemma 1), m_l = ||M_l||,
 M_l(G) = G A_l X^T + X A_l G^T (Lemma 2) or its relaxation xi_l = ||A_l X^T|| + ||X A_l||, and
 kappa a Lipschitz constant of the row softmax (1 in the paper; 1/2 is tight and sound).
+The bias changes none of this: the proof bounds ||P_l(X') - P_l(X)||_F by kappa times the change
+of the scores, in which C_l cancels, and zeta is the norm of T_X at the biased P_l(X).
 
 Second-order refinement (ours, optional). Expanding the softmax to first order exactly, with
 E_l = (G A_l X^T + X A_l G^T + G A_l G^T) / s the change of the scaled scores and J_l the
@@ -33,16 +35,21 @@ first-order part (kappa eps / s) sum_l m_l ||X B_l|| of delta_2, a product of no
 of the operator it bounds (often 10x smaller), at the price of terms in eps^2. Both bounds hold,
 so ``AttentionSensitivity.delta`` takes their minimum (still nondecreasing in eps).
 
-Near-uniform attention (ours). With U = 1 1^T / n (a symmetric projection) and E_l = P_l - U,
-T_X(G) = [H G + U G B] + sum_l E_l G B_l with B = sum_l B_l. Splitting G = U G + (I - U) G, the
-bracket maps the two orthogonal parts to orthogonal parts, H (I - U) G and U G (H + B), so
+Near-reference attention (ours). For any fixed reference attention R_l and E_l = P_l - R_l,
+T_X = T_R + sum_l E_l (x) B_l with T_R(G) = H G + sum_l R_l G B_l, so
 
-    zeta <= max(||H||, ||H + B||) + sum_l ||E_l|| ||B_l||,
+    zeta <= ||T_R|| + sum_l ||E_l|| ||B_l||,
 
-a few n x n norms per sample next to the nd x nd Gram matrix of the verified zeta. Certified
-training drives attention to near uniform, where this is within sum_l ||E_l|| ||B_l|| of zeta
-(zeta >= ||H + B||, from G = 1 g^T); ``attention_sensitivity`` uses it wherever it is within
-the verified method's slack of the Lanczos estimate, and the minimum of both elsewhere.
+a few n x n norms per sample next to the nd x nd Gram matrix of the verified zeta, with ||T_R||
+computed once per block. Certified training drives the scores X A_l X^T to near zero, so the
+reference is what attention becomes there: R_l = softmax(C_l) with a position bias, whose
+||T_R|| is verified once (Gram matrix and Cholesky, as for zeta), and R_l = U = 1 1^T / n
+without one. U is a symmetric projection, and T_U(G) = [H G + U G B] with B = sum_l B_l maps
+the orthogonal parts U G and (I - U) G of G to orthogonal parts, U G (H + B) and H (I - U) G,
+so ||T_U|| = max(||H||, ||H + B||) in closed form. Near the reference the bound is within
+sum_l ||E_l|| ||B_l|| of zeta (zeta >= ||T_R|| - sum_l ||E_l|| ||B_l||);
+``attention_sensitivity`` uses it wherever it is within the verified method's slack of the
+Lanczos estimate, and the minimum of both elsewhere.
 
 All quantities are float64 and computed once per sample; ``AttentionSensitivity.delta`` then
 evaluates the bound for any radii.
@@ -64,6 +71,7 @@ from lofast.bounds.spectral import (
     fixed_unit_vector,
     gamma,
     lanczos_ritz,
+    lanczos_ritz_pair,
     matrix_norm_upper,
     operator_norm,
     verified_norm_from_negated_gram,
@@ -102,6 +110,11 @@ VERIFIED_CPU_ELEMENTS = 1 << 22
 WEIGHT_RANGE = 60
 GRAM_UNDERFLOW = 2.0 ** -800
 
+# The reference attention's ||T_R|| (a position bias's softmax) is verified once per block, at
+# this relative slack, from a Lanczos estimate with this many steps.
+REFERENCE_SLACK = 1e-5
+REFERENCE_LANCZOS_STEPS = 60
+
 # Lanczos start for the zeta estimate: this weight of a fixed random direction is added to the
 # direction 1 (x) v (v the top left singular vector of Z = H + sum_l B_l: T_X(1 g^T) =
 # 1 (Z^T g)^T, see ``_top_direction``), so that the start is never orthogonal to the top
@@ -114,7 +127,9 @@ class AttentionWeights:
     """Weights of one attention block, per head l = 1..h.
 
     query, key: (h, d, dh) Wq_l, Wk_l; value: (h, d, dv) Wv_l; output: (h, dv, d) Wo_l;
-    residual: H = I if True else H = 0; scale: s, the score divisor (sqrt(d/h) usually).
+    residual: H = I if True else H = 0; scale: s, the score divisor (sqrt(d/h) usually);
+    position_bias: None or (h, n, n) C_l, added to the scaled scores (the block then takes
+    exactly n tokens).
     """
 
     query: Tensor
@@ -123,6 +138,7 @@ class AttentionWeights:
     output: Tensor
     residual: bool
     scale: float
+    position_bias: Tensor | None = None
 
     def __post_init__(self) -> None:
         shapes = {name: tuple(getattr(self, name).shape)
@@ -138,6 +154,13 @@ class AttentionWeights:
                              "query, key (h, d, dh), value (h, d, dv), output (h, dv, d)")
         if not (math.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"attention scale must be positive and finite, got {self.scale}")
+        bias = self.position_bias
+        if bias is not None:
+            if bias.dim() != 3 or bias.shape[0] != h or bias.shape[1] != bias.shape[2]:
+                raise ValueError(f"position bias must be (h, n, n) with h = {h}, got "
+                                 f"{tuple(bias.shape)}")
+            if not bool(torch.isfinite(bias).all()):
+                raise ValueError("position bias contains NaN or infinity")
 
     @property
     def heads(self) -> int:
@@ -163,9 +186,23 @@ class AttentionWeights:
         return matrix_norm_upper(self.score_matrices()), matrix_norm_upper(self.value_matrices())
 
     @functools.cached_property
-    def uniform_mix_norm(self) -> Tensor:
-        """Deterministic upper bound on ||H + sum_l B_l||, a float64 scalar tensor."""
-        return uniform_mix_norm(_f64(self.value), _f64(self.output), self.residual)
+    def reference_probabilities(self) -> Tensor | None:
+        """R_l = row_softmax(C_l) (h, n, n) float64, the attention of vanishing scores; None
+        without a position bias (R_l = U then, whose n follows the tokens)."""
+        if self.position_bias is None:
+            return None
+        return torch.softmax(_f64(self.position_bias), dim=-1)
+
+    @functools.cached_property
+    def reference_first_order(self) -> tuple[Tensor, Tensor | None]:
+        """A deterministic upper bound on ||T_R|| (module docstring), a float64 scalar tensor,
+        and a unit vector (n d,) near T_R's top right singular vector (None for R = U, where
+        the verified zeta's own start 1 (x) v / sqrt(n) is exact)."""
+        if self.reference_probabilities is not None:
+            return verified_reference_norm(self.reference_probabilities,
+                                           self.first_order_factors)
+        norm = uniform_mix_norm(_f64(self.value), _f64(self.output), self.residual)
+        return torch.clamp(norm, min=1.0 if self.residual else 0.0), None
 
     @functools.cached_property
     def first_order_factors(self) -> FirstOrderFactors:
@@ -233,15 +270,15 @@ class AttentionSensitivity:
 
 
 def attention_probabilities(X: Tensor, w: AttentionWeights) -> Tensor:
-    """P_l(X) = row_softmax(X Wq_l (X Wk_l)^T / s): (B, n, d) -> (B, h, n, n) float64."""
+    """P_l(X) = row_softmax(X Wq_l (X Wk_l)^T / s + C_l): (B, n, d) -> (B, h, n, n) float64."""
     X = _check_tokens(X, w)
-    return _probabilities(X, _f64(w.query, X.device), _f64(w.key, X.device), w.scale)
+    return _probabilities(X, w)
 
 
 def attention_forward(X: Tensor, w: AttentionWeights) -> Tensor:
     """The exact block F(X) = H X + sum_l P_l(X) X Wv_l Wo_l: (B, n, d) -> (B, n, d) float64."""
     X = _check_tokens(X, w)
-    probs = _probabilities(X, _f64(w.query, X.device), _f64(w.key, X.device), w.scale)
+    probs = _probabilities(X, w)
     out = _mix(probs, X, _f64(w.value, X.device), _f64(w.output, X.device))
     return out + X if w.residual else out
 
@@ -280,7 +317,8 @@ def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
     x_score = torch.einsum("bnd,hde->bhne", X, score_weights)  # (B, h, n, d) X A_l
     x_query = torch.einsum("bnd,hde->bhne", X, query)  # (B, h, n, dh) X Wq_l
     x_key = torch.einsum("bnd,hde->bhne", X, key)  # (B, h, n, dh) X Wk_l
-    probs = probabilities_from_projections(x_query, x_key, w.scale)  # (B, h, n, n)
+    probs = probabilities_from_projections(x_query, x_key, w.scale,
+                                           _bias(w, device))  # (B, h, n, n)
     x_value = torch.einsum("bnd,hde->bhne", X, value)  # (B, h, n, dv) X Wv_l
     x_value_out = torch.einsum("bhne,hef->bhnf", x_value, output)  # (B, h, n, d) X B_l
     value_norm = matrix_norm_upper(x_value_out)  # ||X B_l||
@@ -292,16 +330,20 @@ def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
 
     matrix_free = 0  # probabilistic / estimated norms per sample
     if first_order == "lofast":
-        mix_norm = (w.uniform_mix_norm if same_device
-                    else uniform_mix_norm(value, output, w.residual))
-        uniform = near_uniform_first_order_bound(probs, mix_norm, value_weight_norm, w.residual)
+        reference = w.reference_probabilities
+        reference_norm, reference_direction = w.reference_first_order
+        near = near_reference_first_order_bound(
+            probs, None if reference is None else reference.to(device), reference_norm.to(device),
+            value_weight_norm)
         if method.kind == "verified":
             factors = (w.first_order_factors if same_device
                        else first_order_factors(value, output, w.residual))
-            zeta = verified_first_order_norm(probs, factors, method, known=uniform)
+            zeta = verified_first_order_norm(
+                probs, factors, method, known=near,
+                along=None if reference_direction is None else reference_direction.to(device))
         else:
-            zeta = torch.minimum(uniform, _first_order_norm(X, probs, value, output, w.residual,
-                                                            method, generator))
+            zeta = torch.minimum(near, _first_order_norm(X, probs, value, output, w.residual,
+                                                         method, generator))
         matrix_free += 1
     else:
         identity_norm = 1.0 if w.residual else 0.0
@@ -516,7 +558,7 @@ def first_order_negated_gram(probs: Tensor, f: FirstOrderFactors,
 
 
 def verified_first_order_norm(probs: Tensor, f: FirstOrderFactors, method: SpectralMethod,
-                              known: Tensor) -> Tensor:
+                              known: Tensor, along: Tensor | None = None) -> Tensor:
     """Deterministic upper bound on zeta = ||T_X|| (B,), T_X(G) = H G + sum_l P_l G Wv_l Wo_l.
 
     Per chunk of samples: an estimate of the top eigenvalue of the Gram matrix T'^T T' by
@@ -525,15 +567,17 @@ def verified_first_order_norm(probs: Tensor, f: FirstOrderFactors, method: Spect
     (``spectral.verified_norm_from_negated_gram``). ``known`` (B,): deterministic upper bounds
     already at hand; a sample whose bound lies within (1 + relative_slack) of the estimate keeps
     it (the verification would try no lower value), the others get the minimum of both. The
-    Rayleigh quotient at 1 (x) v / sqrt(n) (``_top_direction``), where T' takes its norm when
-    attention is uniform, is checked first: it is a lower estimate of the top eigenvalue too, so
-    a sample whose bound lies within the slack of it keeps the bound without Lanczos."""
+    Rayleigh quotient at ``along`` (a unit vector (n d,); by default 1 (x) v / sqrt(n), see
+    ``_top_direction``, where T' takes its norm when attention is uniform) is checked first: it
+    is a lower estimate of the top eigenvalue too, so a sample whose bound lies within the slack
+    of it keeps the bound without Lanczos."""
     batch, _, n, _ = probs.shape
     dim = n * f.direction.shape[0]
     budget = VERIFIED_CPU_ELEMENTS if probs.device.type == "cpu" else DEVICE_WORKSPACE_ELEMENTS
     size = min(batch, max(1, budget // (3 * dim * dim + method.estimate_steps * dim)))
     noise = fixed_unit_vector(dim, probs.device)
-    along = (f.direction / math.sqrt(n)).repeat(n)  # 1_n (x) v / sqrt(n), row-major vec
+    if along is None:
+        along = (f.direction / math.sqrt(n)).repeat(n)  # 1_n (x) v / sqrt(n), row-major vec
     start = along + START_NOISE * noise
     start = start / torch.linalg.vector_norm(start)
     workspace = torch.empty(size, dim, dim, dtype=torch.float64, device=probs.device)
@@ -577,27 +621,51 @@ def uniform_mix_norm(value: Tensor, output: Tensor, residual: bool) -> Tensor:
     return matrix_norm_upper(mixed) + rounding
 
 
-def near_uniform_first_order_bound(probs: Tensor, mix_norm: Tensor, value_weight_norm: Tensor,
-                                   residual: bool) -> Tensor:
-    """Deterministic upper bound on zeta = ||T_X|| (B,) from the split P_l = U + E_l (module
-    docstring): max(||H||, ||H + B||) + sum_l ||E_l|| ||B_l||. probs (B, h, n, n); mix_norm
-    >= ||H + B|| (``uniform_mix_norm``); value_weight_norm (h,) >= ||B_l||.
+def near_reference_first_order_bound(probs: Tensor, reference: Tensor | None,
+                                     reference_norm: Tensor, value_weight_norm: Tensor) -> Tensor:
+    """Deterministic upper bound on zeta = ||T_X|| (B,) from the split P_l = R_l + E_l (module
+    docstring): ||T_R|| + sum_l ||E_l|| ||B_l||. probs (B, h, n, n); reference: R_l (h, n, n)
+    float64, or None for U = 1 1^T / n; reference_norm >= ||T_R|| for exactly that R
+    (``AttentionWeights.reference_first_order_norm``); value_weight_norm (h,) >= ||B_l||.
 
-    E_l is computed as fl(P_l - fl(1/n)), off by at most u |E_l| + u (1 + u) / n per entry,
-    so by at most gamma_2 (||E_l||_F + 1) in norm."""
-    n = probs.shape[-1]
-    deviation = probs - 1.0 / n
+    E_l is computed as fl(P_l - R_l) (R_l = fl(1/n) for U), off by at most u |E_l| + u (1 + u) / n
+    per entry, so by at most gamma_2 (||E_l||_F + 1) in norm."""
+    deviation = probs - (1.0 / probs.shape[-1] if reference is None else reference)
     rounding = gamma(2) * (torch.linalg.matrix_norm(deviation) * (1.0 + 2.0 ** -30) + 1.0)
     deviation_norm = matrix_norm_upper(deviation) + rounding  # (B, h)
-    identity_norm = 1.0 if residual else 0.0
-    return (torch.clamp(mix_norm, min=identity_norm)
-            + (deviation_norm * value_weight_norm).sum(dim=1))
+    return reference_norm + (deviation_norm * value_weight_norm).sum(dim=1)
+
+
+def verified_reference_norm(reference: Tensor, f: FirstOrderFactors) -> tuple[Tensor, Tensor]:
+    """For one fixed attention R (h, n, n) float64 and T_R(G) = H G + sum_l R_l G Wv_l Wo_l: a
+    deterministic upper bound on ||T_R|| (a float64 scalar tensor) by the verified zeta's Gram
+    matrix and Cholesky proof, at a small slack (it is computed once per block and enters every
+    sample's bound), and an estimate of T_R's top right singular vector (n d,) by Lanczos, the
+    start of the verified zeta near R."""
+    n, d = reference.shape[-1], f.value.shape[1]
+    start = (f.direction / math.sqrt(n)).repeat(n) + START_NOISE * fixed_unit_vector(n * d,
+                                                                                   f.value.device)
+    start = start / torch.linalg.vector_norm(start)
+    estimate, direction = lanczos_ritz_pair(_first_order_gram(reference[None], f), start[None],
+                                            min(REFERENCE_LANCZOS_STEPS, n * d))
+    negated, error = first_order_negated_gram(reference[None], f)
+    verified = verified_norm_from_negated_gram(negated, relative_slack=REFERENCE_SLACK,
+                                               gram_error=error, estimate=estimate,
+                                               lower_only=True)
+    return verified[0] * f.unit, direction[0]
 
 
 def _first_order_estimate(probs: Tensor, f: FirstOrderFactors, start: Tensor,
                           steps: int) -> Tensor:
     """Lanczos estimate (from below, in exact arithmetic) of lambda_max(T'^T T'), matrix-free.
     probs (B, h, n, n), start (n d,) unit -> (B,)."""
+    batch, _, n, _ = probs.shape
+    dim = n * f.value.shape[1]
+    return lanczos_ritz(_first_order_gram(probs, f), start.expand(batch, dim), min(steps, dim))
+
+
+def _first_order_gram(probs: Tensor, f: FirstOrderFactors) -> LinearMap:
+    """q -> T'^T T' q on row-major vectors (B, n d), matrix-free, for probs (B, h, n, n)."""
     batch, _, n, _ = probs.shape
     d = f.value.shape[1]
     value_t, output_t, probs_t = f.value.mT, f.output.mT, probs.mT
@@ -607,7 +675,7 @@ def _first_order_estimate(probs: Tensor, f: FirstOrderFactors, start: Tensor,
         Y = _mix(probs, G, f.value, f.output) + f.residual * G
         return (_mix(probs_t, Y, output_t, value_t) + f.residual * Y).reshape(batch, n * d)
 
-    return lanczos_ritz(gram, start.expand(batch, n * d), min(steps, n * d))
+    return gram
 
 
 def _top_direction(products: Tensor, residual: float) -> Tensor:
@@ -681,15 +749,26 @@ def softmax_first_order_maps(probs: Tensor, x_query: Tensor, x_key: Tensor, quer
     return apply, adjoint
 
 
-def _probabilities(X: Tensor, query: Tensor, key: Tensor, scale: float) -> Tensor:
-    """row_softmax((X Wq_l)(X Wk_l)^T / s): X (B, n, d), Wq, Wk (h, d, dh) -> (B, h, n, n)."""
+def _probabilities(X: Tensor, w: AttentionWeights) -> Tensor:
+    """P_l(X) in float64 for float64 tokens X (B, n, d) -> (B, h, n, n)."""
+    query, key = _f64(w.query, X.device), _f64(w.key, X.device)
     return probabilities_from_projections(torch.einsum("bnd,hde->bhne", X, query),
-                                          torch.einsum("bnd,hde->bhne", X, key), scale)
+                                          torch.einsum("bnd,hde->bhne", X, key), w.scale,
+                                          _bias(w, X.device))
 
 
-def probabilities_from_projections(x_query: Tensor, x_key: Tensor, scale: float) -> Tensor:
-    """row_softmax(Q_l K_l^T / s) for Q_l = X Wq_l, K_l = X Wk_l (B, h, n, dh) -> (B, h, n, n)."""
-    return torch.softmax(x_query @ x_key.mT / scale, dim=-1)
+def probabilities_from_projections(x_query: Tensor, x_key: Tensor, scale: float,
+                                   bias: Tensor | None = None) -> Tensor:
+    """row_softmax(Q_l K_l^T / s + C_l) for Q_l = X Wq_l, K_l = X Wk_l (B, h, n, dh) and an
+    optional position bias C_l (h, n, n) -> (B, h, n, n), in the projections' dtype."""
+    scores = x_query @ x_key.mT / scale
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
+    return torch.softmax(scores, dim=-1)
+
+
+def _bias(w: AttentionWeights, device: torch.device) -> Tensor | None:
+    return None if w.position_bias is None else _f64(w.position_bias, device)
 
 
 def _mix(probs: Tensor, G: Tensor, first: Tensor, second: Tensor) -> Tensor:
@@ -714,6 +793,9 @@ def _check_tokens(X: Tensor, w: AttentionWeights) -> Tensor:
                          f"{tuple(X.shape) if isinstance(X, Tensor) else type(X).__name__}")
     if X.shape[2] != w.width:
         raise ValueError(f"tokens have width {X.shape[2]}, the attention weights expect {w.width}")
+    if w.position_bias is not None and X.shape[1] != w.position_bias.shape[-1]:
+        raise ValueError(f"{X.shape[1]} tokens, the position bias expects "
+                         f"{w.position_bias.shape[-1]}")
     if X.shape[0] < 1 or X.shape[1] < 1:
         raise ValueError(f"tokens must have at least one sample and one token, got {tuple(X.shape)}")
     X = X.to(torch.float64)

@@ -104,7 +104,8 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionWeights, *, kappa: flo
     query, key, value, output = (t.to(X.dtype) for t in (w.query, w.key, w.value, w.output))
     x_query, x_key, x_value = (torch.einsum("bnd,hde->bhne", X, weight)
                                for weight in (query, key, value))  # (B, h, n, dh)
-    probs = probabilities_from_projections(x_query, x_key, w.scale)  # (B, h, n, n)
+    probs = probabilities_from_projections(x_query, x_key, w.scale,
+                                           w.position_bias)  # (B, h, n, n)
 
     shape = (X.shape[0], 2 if softmax_jacobian else 1, *X.shape[1:])
     if start is None or start.shape != shape:

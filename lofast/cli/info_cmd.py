@@ -39,6 +39,10 @@ def info(checkpoint: Path) -> None:
             value = matrix_norm_upper(spec.value @ spec.output).max().item()
             score = matrix_norm_upper(spec.query @ spec.key.transpose(1, 2)).max().item()
             notes = f"max_l ||Wv_l Wo_l|| = {value:.4f}, max_l ||Wq_l Wk_l^T|| = {score:.4f}"
+            if spec.position_bias is not None:  # how far the bias alone moves attention
+                reference = spec.position_bias.softmax(dim=-1)
+                spread = matrix_norm_upper(reference - 1.0 / reference.shape[-1]).max().item()
+                notes += f", max_l ||softmax(C_l) - U|| = {spread:.4f}"
         table.add_row(str(i), type(spec).__name__.removesuffix("Spec"),
                       "local (LoFAST)" if constant is None else f"{constant:.6g}", notes)
     stdout.print(table)

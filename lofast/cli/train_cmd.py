@@ -44,7 +44,9 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
 @click.option("--init", "init_path", type=click.Path(path_type=Path, dir_okay=False),
               default=None,
               help="Start from this checkpoint's weights and architecture (fine-tuning, or "
-                   "more epochs on a new schedule); replaces --preset and --model-option.")
+                   "more epochs on a new schedule); replaces --preset and --model-option, "
+                   "except --model-option position_bias=true, which adds zero position biases "
+                   "(the same function) to a checkpoint without them.")
 @click.option("--epochs", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--lr", type=float, default=1e-3, show_default=True)
@@ -102,7 +104,7 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
     from lofast.data import load_dataset
     from lofast.data.sample import class_balanced_order
     from lofast.errors import LofastError
-    from lofast.models.vit import create_model
+    from lofast.models.vit import create_model, with_position_bias
     from lofast.train import resolve_device
     from lofast.train import train as run_training
 
@@ -125,10 +127,13 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
                                          **parse_model_options(model_options)), seed=seed)
     else:
         preset_given = ctx.get_parameter_source("preset") is click.core.ParameterSource.COMMANDLINE
-        if preset_given or model_options:
-            raise LofastError("--init takes the architecture from the checkpoint; "
-                              "drop --preset and --model-option")
+        options = parse_model_options(model_options)
+        if preset_given or options not in ({}, {"position_bias": True}):
+            raise LofastError("--init takes the architecture from the checkpoint; drop --preset "
+                              "and --model-option (only position_bias=true may be added)")
         model = load_checkpoint(init_path)
+        if options:
+            model = with_position_bias(model)
         stored = {key: getattr(model.config, key) for key in data_shape}
         if stored != data_shape:
             raise LofastError(f"{init_path}: built for {stored}, the data set has {data_shape}")

@@ -108,12 +108,14 @@ class LayerProject(nn.Module):
 class Attention(HoldsCappedWeights, nn.Module):
     """Residual multi-head dot-product attention X + sum_l P_l(X) X Wv_l Wo_l, no biases.
 
+    P_l(X) = softmax(X Wq_l (X Wk_l)^T / s + C_l), with C_l a learned (n, n) position bias when
+    ``num_tokens`` is given (zero at initialisation) and C_l = 0 otherwise.
     Heads split the columns of Wq, Wk, Wv (d, d) and the rows of Wo (d, d); the caps apply to
     the whole matrices, so every head's ||Wv_l Wo_l|| <= value_cap * output_cap.
     """
 
     def __init__(self, width: int, heads: int, query_key_cap: float | None,
-                 value_cap: float, output_cap: float) -> None:
+                 value_cap: float, output_cap: float, num_tokens: int | None = None) -> None:
         super().__init__()
         self.heads = heads
         self.head_dim = width // heads
@@ -125,6 +127,8 @@ class Attention(HoldsCappedWeights, nn.Module):
             w = torch.empty(width, width)
             nn.init.orthogonal_(w)
             self.weights[name] = nn.Parameter(w)
+        self.position_bias = (None if num_tokens is None
+                              else nn.Parameter(torch.zeros(heads, num_tokens, num_tokens)))
 
     def _capped(self) -> dict[str, Tensor]:
         return {name: spectral_cap(self.weights[name], cap) for name, cap in self.caps.items()}
@@ -141,21 +145,27 @@ class Attention(HoldsCappedWeights, nn.Module):
         q = self._split_heads(x @ w["query"])
         k = self._split_heads(x @ w["key"])
         v = self._split_heads(x @ w["value"])
-        probs = torch.softmax(q @ k.transpose(-1, -2) / self.scale, dim=-1)  # (B, h, n, n)
+        scores = q @ k.transpose(-1, -2) / self.scale  # (B, h, n, n)
+        if self.position_bias is not None:
+            scores = scores + self.position_bias
+        probs = torch.softmax(scores, dim=-1)
         mixed = (probs @ v).transpose(1, 2).reshape(x.shape)
         return x + mixed @ w["output"]
 
     def head_weights(self) -> dict[str, Tensor]:
-        """Per-head effective weights, differentiable: query, key, value (h, d, dh) and
-        output (h, dh, d)."""
+        """Per-head effective weights, differentiable: query, key, value (h, d, dh),
+        output (h, dh, d) and, where the block has one, position_bias (h, n, n)."""
         w = self.effective_weights()
         d, h, dh = w["query"].shape[0], self.heads, self.head_dim
 
         def per_head_columns(m: Tensor) -> Tensor:  # (d, d) -> (h, d, dh)
             return m.reshape(d, h, dh).permute(1, 0, 2)
 
-        return {"query": per_head_columns(w["query"]), "key": per_head_columns(w["key"]),
-                "value": per_head_columns(w["value"]), "output": w["output"].reshape(h, dh, d)}
+        weights = {"query": per_head_columns(w["query"]), "key": per_head_columns(w["key"]),
+                   "value": per_head_columns(w["value"]), "output": w["output"].reshape(h, dh, d)}
+        if self.position_bias is not None:
+            weights["position_bias"] = self.position_bias
+        return weights
 
     def spec(self) -> AttentionSpec:
         w = {name: _frozen(t) for name, t in self.head_weights().items()}

@@ -34,7 +34,8 @@ class ProjectSpec:
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """F(X) = H X + sum_l softmax(X Wq_l (X Wk_l)^T / scale) X Wv_l Wo_l, the form LoFAST bounds."""
+    """F(X) = H X + sum_l softmax(X Wq_l (X Wk_l)^T / scale + C_l) X Wv_l Wo_l, the form LoFAST
+    bounds (C_l a fixed position bias, or 0)."""
 
     query: Tensor  # (h, d, dh)
     key: Tensor  # (h, d, dh)
@@ -42,6 +43,7 @@ class AttentionSpec:
     output: Tensor  # (h, dh, d)
     residual: bool  # H = I
     scale: float
+    position_bias: Tensor | None = None  # (h, n, n) C_l
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -40,7 +42,7 @@ class LipschitzViT(nn.Module):
         for _ in range(c.depth):
             stages.append(LayerProject(c.attn_radius))
             stages.append(Attention(c.width, c.heads, c.query_key_cap, c.value_cap,
-                                    c.output_cap))
+                                    c.output_cap, c.num_tokens if c.position_bias else None))
             if c.mlp_radius is not None:
                 stages.append(LayerProject(c.mlp_radius))
             stages.append(SLL(c.width, c.width * c.mlp_ratio))
@@ -85,6 +87,18 @@ class LipschitzViT(nn.Module):
     def structure(self) -> list[StageSpec]:
         """The specs of all stages, in forward order, from the effective float64 weights."""
         return [stage.spec() for stage in self.stages]
+
+
+def with_position_bias(model: LipschitzViT) -> LipschitzViT:
+    """A copy of ``model`` whose attention blocks have a position bias, all zero: the same
+    function, with the biases free to train (for fine-tuning a model trained without them)."""
+    if model.config.position_bias:
+        return copy.deepcopy(model)
+    like = next(model.parameters())
+    extended = LipschitzViT(dataclasses.replace(model.config, position_bias=True)).to(like)
+    missing, unexpected = extended.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all(key.endswith(".position_bias") for key in missing)
+    return extended
 
 
 def create_model(config: ModelConfig, seed: int | None = None) -> LipschitzViT:
