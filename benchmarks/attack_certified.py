@@ -3,7 +3,7 @@ with l2 PGD at 0.999 x its certified radius (must break none) and at a multiple 
 attack has teeth). Prints the counts and writes JSON; exits 1 if a certified sample is broken.
 
     python benchmarks/attack_certified.py [--checkpoint CKPT] [--data PATH] [--n 200]
-        [--steps 100] [--restarts 3] [--beyond 3] [--out attack_certified.json]
+        [--guarantee exact] [--steps 100] [--restarts 3] [--beyond 3] [--out attack_certified.json]
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import json
 import sys
 
 from lofast.attack import pgd_l2
+from lofast.bounds.spectral import SpectralMethod
 from lofast.certify import Certifier, CertifySettings
 from lofast.checkpoint import default_checkpoint_path, load_checkpoint
+from lofast.cli.certify_cmd import GUARANTEES
 from lofast.data import load_dataset
 from lofast.data.sample import class_balanced_order, load_bundled_sample
 
@@ -25,6 +27,8 @@ def main() -> None:
     parser.add_argument("--data", default=None, help="test split of this data set (default: "
                         "the bundled sample)")
     parser.add_argument("--n", type=int, default=200)
+    parser.add_argument("--guarantee", choices=["exact", "probabilistic"], default="exact",
+                        help="the certificates to attack (as `lofast certify --guarantee`)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--restarts", type=int, default=3)
     parser.add_argument("--beyond", type=float, default=3.0,
@@ -36,13 +40,15 @@ def main() -> None:
     model = load_checkpoint(checkpoint).double().eval()
     data = load_dataset(args.data, "test") if args.data else load_bundled_sample()
     x, y = data.subset(class_balanced_order(data.labels)[: args.n]).to_tensors()
-    certificate = Certifier(model, CertifySettings()).certify(x, y)
+    settings = CertifySettings(method=SpectralMethod(kind=GUARANTEES[args.guarantee]))
+    certificate = Certifier(model, settings).certify(x, y)
     radius = certificate.radius()
     chosen = radius > 0
     xs, ys, rs = x[chosen].double(), y[chosen], radius[chosen]
     inside = pgd_l2(model, xs, ys, 0.999 * rs, steps=args.steps, restarts=args.restarts)
     outside = pgd_l2(model, xs, ys, args.beyond * rs, steps=args.steps, restarts=args.restarts)
-    report = {"checkpoint": str(checkpoint), "images": len(y), "certified": int(chosen.sum()),
+    report = {"checkpoint": str(checkpoint), "guarantee": args.guarantee, "images": len(y),
+              "certified": int(chosen.sum()),
               "mean_radius_of_certified": rs.mean().item() if len(rs) else 0.0,
               "broken_at_0.999_radius": int(inside.sum()),
               f"broken_at_{args.beyond:g}_radius": int(outside.sum()),
