@@ -38,9 +38,10 @@ def randomized_model(config, seed=0, dtype=torch.float64):
     return model
 
 
-def small_model(seed=0, depth=2):
+def small_model(seed=0, depth=2, position_bias=False):
     """The tiny preset on 16x16 images (5 tokens): fast enough for CROWN in a unit test."""
-    return randomized_model(preset("tiny", image_size=16, depth=depth), seed=seed)
+    return randomized_model(preset("tiny", image_size=16, depth=depth,
+                                   position_bias=position_bias), seed=seed)
 
 
 def images_and_predictions(model, n, seed=0):
@@ -173,11 +174,12 @@ def worst_margins(model, x, y, eps, steps=40):
 
 
 @pytest.mark.crown
-@pytest.mark.parametrize("method, eps", [("crown", 0.05), ("crown", 0.3),
-                                         ("alpha-crown", 0.15)])
-def test_bounds_lie_below_every_reachable_margin(lirpa, method, eps):
+@pytest.mark.parametrize("method, eps, position_bias", [
+    ("crown", 0.05, False), ("crown", 0.3, False), ("alpha-crown", 0.15, False),
+    ("crown", 0.05, True)])
+def test_bounds_lie_below_every_reachable_margin(lirpa, method, eps, position_bias):
     # alpha-CROWN is many times slower: one image, one block, a few steps
-    model = small_model(depth=1 if method == "alpha-crown" else 2)
+    model = small_model(depth=1 if method == "alpha-crown" else 2, position_bias=position_bias)
     n = 1 if method == "alpha-crown" else 3
     x, y = images_and_predictions(model, n)
     lower = MarginBounder(model, eps, method, alpha_iterations=4).margin_bounds(x, y)
