@@ -626,7 +626,7 @@ def near_reference_first_order_bound(probs: Tensor, reference: Tensor | None,
     """Deterministic upper bound on zeta = ||T_X|| (B,) from the split P_l = R_l + E_l (module
     docstring): ||T_R|| + sum_l ||E_l|| ||B_l||. probs (B, h, n, n); reference: R_l (h, n, n)
     float64, or None for U = 1 1^T / n; reference_norm >= ||T_R|| for exactly that R
-    (``AttentionWeights.reference_first_order_norm``); value_weight_norm (h,) >= ||B_l||.
+    (``AttentionWeights.reference_first_order``); value_weight_norm (h,) >= ||B_l||.
 
     E_l is computed as fl(P_l - R_l) (R_l = fl(1/n) for U), off by at most u |E_l| + u (1 + u) / n
     per entry, so by at most gamma_2 (||E_l||_F + 1) in norm."""

@@ -504,12 +504,23 @@ def lanczos_ritz(gram: LinearMap, start: Tensor, m: int) -> Tensor:
     """Largest Ritz value (clamped at 0) of m Lanczos steps on the symmetric PSD maps ``gram``
     ((B, N) -> (B, N)) from the unit vectors ``start`` (B, N), with full reorthogonalisation
     (CGS2) and breakdown handling; at most lambda_max in exact arithmetic. Returns (B,)."""
-    return lanczos_ritz_pair(gram, start, m)[0]
+    tridiagonal, _ = _lanczos(gram, start, m)
+    return torch.linalg.eigvalsh(tridiagonal)[:, -1].clamp_min(0.0)
 
 
 def lanczos_ritz_pair(gram: LinearMap, start: Tensor, m: int) -> tuple[Tensor, Tensor]:
     """``lanczos_ritz`` and its Ritz vectors (B, N), unit (an estimate of the top eigenvector,
     for starting later iterations)."""
+    tridiagonal, basis = _lanczos(gram, start, m)
+    values, vectors = torch.linalg.eigh(tridiagonal)
+    ritz = (vectors[:, None, :, -1] @ basis)[:, 0]  # (B, N)
+    ritz = ritz / torch.linalg.vector_norm(ritz, dim=1, keepdim=True).clamp_min(1e-300)
+    return values[:, -1].clamp_min(0.0), ritz
+
+
+def _lanczos(gram: LinearMap, start: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    """m Lanczos steps (see ``lanczos_ritz``): the tridiagonal matrices (B, m, m) and the bases
+    (B, m, N)."""
     batch, dim = start.shape
     basis = start.new_zeros(batch, m, dim)
     alpha = start.new_zeros(batch, m)
@@ -538,10 +549,7 @@ def lanczos_ritz_pair(gram: LinearMap, start: Tensor, m: int) -> tuple[Tensor, T
         q = torch.where(broken[:, None], 0.0, w / torch.where(broken, 1.0, norm)[:, None])
     tridiagonal = (torch.diag_embed(alpha) + torch.diag_embed(beta[:, :-1], offset=1)
                    + torch.diag_embed(beta[:, :-1], offset=-1))
-    values, vectors = torch.linalg.eigh(tridiagonal)
-    ritz = (vectors[:, None, :, -1] @ basis)[:, 0]  # (B, N)
-    ritz = ritz / torch.linalg.vector_norm(ritz, dim=1, keepdim=True).clamp_min(1e-300)
-    return values[:, -1].clamp_min(0.0), ritz
+    return tridiagonal, basis
 
 
 def power_norm(apply: LinearMap, adjoint: LinearMap, start: Tensor, in_shape: tuple[int, ...],
