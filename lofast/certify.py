@@ -119,13 +119,30 @@ def stage_lipschitz(spec: StageSpec) -> float | None:
     return None
 
 
-def check_sll(spec: SLLSpec, index: int) -> None:
-    """SLL is 1-Lipschitz only if diag(t) - W^T W is positive semidefinite: verify it."""
-    gram = spec.weight.T @ spec.weight
-    lowest = torch.linalg.eigvalsh(torch.diag(spec.t) - gram)[0].item()
-    if lowest < 0:
-        raise CertificationError(
-            f"stage {index}: SLL layer is not provably 1-Lipschitz (min eigenvalue {lowest:.3g})")
+def check_stage(spec: StageSpec, index: int) -> None:
+    """Refuse a stage whose Lipschitz accounting would not hold for the function it computes.
+
+    The model validates its config, but the certificate must not rest on that alone: every
+    constant the bounds use is checked here on the spec the forward pass was built from.
+    """
+    tensors = [value for value in vars(spec).values() if isinstance(value, torch.Tensor)]
+    if not all(torch.isfinite(t).all() for t in tensors):
+        raise CertificationError(f"stage {index}: weights contain NaN or infinity")
+    if isinstance(spec, ProjectSpec) and not spec.radius > 0:
+        raise CertificationError(f"stage {index}: projection radius {spec.radius} is not positive")
+    if isinstance(spec, PoolSpec) and spec.kind not in ("mean", "cls"):
+        raise CertificationError(f"stage {index}: unknown pooling {spec.kind!r}")
+    if isinstance(spec, AttentionSpec) and not (spec.residual and spec.scale > 0):
+        raise CertificationError(f"stage {index}: attention must be residual with scale > 0")
+    if isinstance(spec, SLLSpec):
+        if not (spec.t > 0).all():
+            raise CertificationError(f"stage {index}: SLL layer has a zero column "
+                                     "(its rescaling divides by zero)")
+        gram = spec.weight.T @ spec.weight
+        lowest = torch.linalg.eigvalsh(torch.diag(spec.t) - gram)[0].item()
+        if lowest < 0:
+            raise CertificationError(f"stage {index}: SLL layer is not provably 1-Lipschitz "
+                                     f"(min eigenvalue {lowest:.3g})")
 
 
 def attention_weights(spec: AttentionSpec, device: torch.device) -> AttentionWeights:
@@ -149,10 +166,9 @@ class Certifier:
         self.structure = self.model.structure()
         if not isinstance(self.structure[0], EmbedSpec) or not isinstance(self.structure[-1], HeadSpec):
             raise CertificationError("model must start with a patch embedding and end with a head")
-        self.lipschitz = [stage_lipschitz(s) for s in self.structure]
         for i, spec in enumerate(self.structure):
-            if isinstance(spec, SLLSpec):
-                check_sll(spec, i)
+            check_stage(spec, i)
+        self.lipschitz = [stage_lipschitz(s) for s in self.structure]
         self.attention = {i: attention_weights(s, self.device)
                           for i, s in enumerate(self.structure) if isinstance(s, AttentionSpec)}
         self.generator = torch.Generator(device=self.device).manual_seed(self.settings.seed)
@@ -168,6 +184,8 @@ class Certifier:
             raise CertificationError("pixel values must lie in [0, 1]")
         labels = labels.to(self.device)
         logits, activations = self.model.forward_with_activations(x)
+        if not torch.isfinite(logits).all():
+            raise CertificationError("the model's output is not finite on these images")
         first_order, score_bound = BOUNDS[self.settings.bound]
         steps: list[RadiusMap] = []
         guarantee, failure = Guarantee.DETERMINISTIC, 0.0
@@ -181,6 +199,9 @@ class Certifier:
                 steps.append(sens)
                 guarantee = weakest_guarantee(guarantee, sens.guarantee)
                 failure += sens.failure_probability
+            elif isinstance(spec, PoolSpec) and act.shape[1] != spec.num_tokens:
+                raise CertificationError(f"stage {i}: pooling over {spec.num_tokens} tokens, "
+                                         f"the model computes {act.shape[1]}")
             elif isinstance(spec, ProjectSpec) and self.settings.local_projection:
                 steps.append(ProjectionStep.around(act, spec.radius, moving))
             else:

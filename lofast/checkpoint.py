@@ -99,6 +99,9 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
                 f"{path}: weight {key} has shape {tuple(value.shape)}, "
                 f"the config needs {tuple(expected[key].shape)}"
             )
+        if not value.is_floating_point():
+            raise CheckpointError(f"{path}: weight {key} has dtype {value.dtype}; lofast "
+                                  "weights are floating point")
         if not torch.isfinite(value).all():
             raise CheckpointError(f"{path}: weight {key} contains NaN or infinity")
     model.load_state_dict(tensors)

@@ -4,10 +4,28 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from lofast.errors import LofastError
+
+# Larger models are refused before any allocation (4 GiB of float32 weights).
+MAX_PARAMETERS = 2**30
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise LofastError(f"{name} must be an integer >= {minimum}, not {value!r}")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not _is_real(value) or not math.isfinite(value) or value <= 0:
+        raise LofastError(f"{name} must be a positive finite number, not {value!r}")
 
 
 @dataclass(frozen=True)
@@ -40,17 +58,42 @@ class ModelConfig:
     position_bias: bool = False
 
     def __post_init__(self) -> None:
+        # Every value here reaches the forward pass, and the radii reach the Lipschitz
+        # accounting: a value read from a file is checked like any other input.
+        for name in ("image_size", "channels", "num_classes", "patch_size", "width", "depth",
+                     "heads", "mlp_ratio"):
+            _check_int(name, getattr(self, name), minimum=2 if name == "num_classes" else 1)
+        for name in ("embed_cap", "value_cap", "output_cap", "attn_radius"):
+            _check_positive(name, getattr(self, name))
+        for name in ("query_key_cap", "mlp_radius", "final_radius"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        if not _is_real(self.input_center) or not math.isfinite(self.input_center):
+            raise LofastError(f"input_center must be a finite number, not {self.input_center!r}")
+        if self.pool not in ("mean", "cls"):
+            raise LofastError(f"pool must be 'mean' or 'cls', not {self.pool!r}")
+        if not isinstance(self.position_bias, bool):
+            raise LofastError(f"position_bias must be true or false, not {self.position_bias!r}")
         if self.image_size % self.patch_size:
             raise LofastError(
                 f"patch_size {self.patch_size} does not divide image_size {self.image_size}"
             )
         if self.width % self.heads:
             raise LofastError(f"width {self.width} is not divisible by heads {self.heads}")
-        if self.pool not in ("mean", "cls"):
-            raise LofastError(f"pool must be 'mean' or 'cls', not {self.pool!r}")
-        for name in ("embed_cap", "value_cap", "output_cap", "attn_radius"):
-            if not getattr(self, name) > 0:
-                raise LofastError(f"{name} must be positive")
+        if self.parameter_count() > MAX_PARAMETERS:
+            raise LofastError(
+                f"the model would have {self.parameter_count():,} parameters "
+                f"({4 * self.parameter_count() / 2**30:.1f} GiB in float32); "
+                f"lofast builds at most {MAX_PARAMETERS:,}"
+            )
+
+    def parameter_count(self) -> int:
+        """Number of learned values, computed from the config alone (before allocating)."""
+        d, n, hidden = self.width, self.num_tokens, self.width * self.mlp_ratio
+        embed = d * self.channels * self.patch_size**2 + d + self.num_patches * d + d
+        bias = self.heads * n * n if self.position_bias else 0
+        block = 4 * d * d + bias + d * hidden + 2 * hidden
+        return embed + self.depth * block + self.num_classes * (d + 1)
 
     @property
     def num_patches(self) -> int:
@@ -65,10 +108,13 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        if not isinstance(values, dict):
+            raise LofastError(f"a model config is a mapping of fields, not {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise LofastError(f"unknown model config keys: {', '.join(unknown)}")
+            raise LofastError(f"unknown model config keys: {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
         return cls(**values)
 
 
@@ -90,7 +136,7 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     """The named preset, with any fields replaced."""
     if name not in PRESETS:
         raise LofastError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-    return dataclasses.replace(PRESETS[name], **overrides)
+    return ModelConfig.from_dict({**dataclasses.asdict(PRESETS[name]), **overrides})
 
 
 @dataclass(frozen=True)
@@ -118,15 +164,20 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.loss not in ("ce", "margin", "certified"):
             raise LofastError(f"loss must be 'ce', 'margin' or 'certified', not {self.loss!r}")
-        if self.loss == "certified" and not self.train_eps > 0:
-            raise LofastError("--loss certified needs a positive --train-eps")
-        if not 0.0 <= self.clean_mix <= 1.0:
-            raise LofastError("clean mix must lie in [0, 1]")
-        if self.eps_ramp_epochs < 0 or self.power_iterations < 1:
-            raise LofastError("the eps ramp must be >= 0 epochs and power iterations >= 1")
         if self.schedule not in ("cosine", "constant"):
             raise LofastError(f"schedule must be 'cosine' or 'constant', not {self.schedule!r}")
-        if self.epochs < 1 or self.batch_size < 1:
-            raise LofastError("epochs and batch size must be at least 1")
-        if not self.lr > 0 or not self.temperature > 0:
-            raise LofastError("learning rate and temperature must be positive")
+        for name in ("epochs", "batch_size", "power_iterations"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("seed", self.seed, minimum=0)
+        if self.seed >= 2**63:
+            raise LofastError(f"seed must be below 2**63, not {self.seed}")
+        for name in ("lr", "temperature"):
+            _check_positive(name, getattr(self, name))
+        for name in ("weight_decay", "warmup_epochs", "margin", "train_eps", "eps_ramp_epochs"):
+            value = getattr(self, name)
+            if not _is_real(value) or not math.isfinite(value) or value < 0:
+                raise LofastError(f"{name} must be a finite number >= 0, not {value!r}")
+        if self.loss == "certified" and not self.train_eps > 0:
+            raise LofastError("--loss certified needs a positive --train-eps")
+        if not _is_real(self.clean_mix) or not 0.0 <= self.clean_mix <= 1.0:
+            raise LofastError("clean mix must lie in [0, 1]")

@@ -1,57 +1,21 @@
 """End-to-end soundness of certificates on a small trained model: PGD finds nothing."""
 
 import copy
-import dataclasses
 
 import pytest
 import torch
+from helpers import train_tiny
 
 from lofast.attack import pgd_l2
 from lofast.bounds.compose import propagate
 from lofast.bounds.spectral import Guarantee, SpectralMethod
 from lofast.certify import Certifier, CertifySettings
 from lofast.checkpoint import default_checkpoint_path, load_checkpoint
-from lofast.config import preset
 from lofast.data.sample import load_bundled_sample
 from lofast.errors import CertificationError
 from lofast.models.layers import PatchEmbed
-from lofast.models.vit import create_model
 
 EPS = torch.tensor([0.02, 0.05, 0.1, 0.2], dtype=torch.float64)
-
-
-def synthetic_images(n, generator):
-    """Four classes told apart by colour and a stripe: learnable in seconds, with real margins."""
-    labels = torch.randint(0, 4, (n,), generator=generator)
-    base = torch.rand(n, 3, 32, 32, generator=generator) * 0.3 + 0.35
-    colour = torch.eye(3)[labels % 3] * 0.3
-    images = base + colour[:, :, None, None] * (labels[:, None, None, None] < 3)
-    images[labels == 3, :, 12:20, :] += 0.3
-    return images.clamp(0, 1), labels
-
-
-def train_tiny(**options):
-    """The tiny preset (patch 16, 5 tokens) trained for 100 steps on the synthetic images."""
-    torch.manual_seed(0)
-    config = dataclasses.replace(preset("tiny"), patch_size=16, num_classes=4, **options)
-    model = create_model(config, seed=0)
-    if config.position_bias:  # a strongly non-uniform reference attention from the start
-        with torch.no_grad():
-            for stage in model.stages:
-                if getattr(stage, "position_bias", None) is not None:
-                    stage.position_bias.normal_(0.0, 2.0)
-    g = torch.Generator().manual_seed(0)
-    x, y = synthetic_images(512, g)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(100):
-        idx = torch.randint(0, len(x), (128,), generator=g)
-        loss = torch.nn.functional.cross_entropy(model(x[idx]) * 4, y[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
-    test_x, test_y = synthetic_images(64, torch.Generator().manual_seed(1))
-    return model, test_x, test_y
 
 
 @pytest.fixture(scope="module")

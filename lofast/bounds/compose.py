@@ -50,6 +50,10 @@ class ProjectionStep:
     min_norm: Tensor  # (B,)
     radius: float
 
+    def __post_init__(self) -> None:
+        if not self.radius > 0:  # the factor R / (r - t) is a contraction bound only for R > 0
+            raise ValueError(f"projection radius must be positive, not {self.radius}")
+
     @classmethod
     def around(cls, tokens: Tensor, radius: float, moving: slice) -> ProjectionStep:
         """The step at clean tokens (B, n, d), of which only tokens[:, moving] can move. Norms

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lofast.errors import LofastError
 from lofast.models.structure import (
     AttentionSpec,
     EmbedSpec,
@@ -96,6 +97,10 @@ class LayerProject(nn.Module):
     def __init__(self, radius: float) -> None:
         super().__init__()
         self.radius = float(radius)
+        # A radius <= 0 (or NaN) makes the map x -> radius * x / ||x||, which is neither a
+        # projection nor Lipschitz: refuse it here, whatever built the module.
+        if not self.radius > 0:
+            raise LofastError(f"LayerProject radius must be positive, not {radius!r}")
 
     def forward(self, x: Tensor) -> Tensor:
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
@@ -206,6 +211,8 @@ class Pool(nn.Module):
 
     def __init__(self, kind: str, num_tokens: int) -> None:
         super().__init__()
+        if kind not in ("mean", "cls"):
+            raise LofastError(f"pool must be 'mean' or 'cls', not {kind!r}")
         self.kind = kind
         self.num_tokens = num_tokens
 
