@@ -39,6 +39,20 @@ def atomic_write(path: Path, write: Any) -> None:
         raise
 
 
+def check_writable(path: Path) -> None:
+    """Refuse, in one line, an output path whose folder cannot take a new file (read-only, or
+    a regular file where a folder should be), by creating and removing a temporary file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise LofastError(f"cannot write {path}: {e.strerror or e}") from None
+    if path.is_dir():
+        raise LofastError(f"{path} is a folder, not a file to write")
+
+
 def save_checkpoint(path: str | os.PathLike, model: LipschitzViT,
                     metadata: dict[str, Any] | None = None) -> None:
     """Write the model's weights and config; metadata values are stored as JSON strings."""
@@ -106,6 +120,21 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
             raise CheckpointError(f"{path}: weight {key} contains NaN or infinity")
     model.load_state_dict(tensors)
     return model.to(device).eval()
+
+
+def check_data_fits(model: LipschitzViT, metadata: dict[str, Any], data: Any) -> None:
+    """Refuse a data set (an ImageDataset) whose image shape the model was not built for, or
+    whose class names differ from those the checkpoint was trained on (a renamed or missing
+    class folder shifts every label, and every verdict with it)."""
+    config = model.config
+    expected = (config.image_size, config.image_size, config.channels)
+    if data.images.shape[1:] != expected:
+        raise LofastError(f"data images have shape {data.images.shape[1:]}, the model expects "
+                          f"{expected} (H, W, C)")
+    trained_on = metadata.get("classes")
+    if trained_on is not None and list(trained_on) != list(data.classes):
+        raise LofastError(f"the data's classes {list(data.classes)} differ from those the "
+                          f"checkpoint was trained on {list(trained_on)}")
 
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"

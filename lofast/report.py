@@ -17,8 +17,9 @@ from lofast.errors import LofastError
 
 
 def eps_key(eps: float) -> str:
-    """The stable text form of an eps value used as a JSON key."""
-    return f"{eps:g}"
+    """The text form of an eps value used as a JSON key: the shortest decimal that reads back
+    as the same float, so two distinct eps never share a key (36/255 is 0.1411764705882353)."""
+    return repr(float(eps))
 
 
 @dataclass
@@ -45,60 +46,121 @@ class SampleRecord:
         return json.dumps(asdict(self), allow_nan=False)
 
 
+# Every record line starts so (dataclass field order): a final line without its newline that
+# starts so is one torn by an interrupt; anything else is not a record file of ours.
+RECORD_START = b'{"index": '
+
+# Field -> accepted JSON types, checked when records are read back for --resume.
+RECORD_FIELDS: dict[str, tuple[type, ...]] = {
+    "index": (int,), "label": (int,), "prediction": (int,), "margin": (int, float),
+    "radius": (int, float), "verdicts": (dict,), "bounds": (dict,), "verifiers": (dict,),
+    "reasons": (dict,), "rule": (str,), "seconds": (int, float), "fallback_seconds": (dict,),
+    "run": (dict,),
+}
+
+
+def _lock(handle) -> bool:
+    """An exclusive advisory lock on the open file, without waiting; True where taken (or
+    where the platform has no flock, which leaves the file unlocked)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return True
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
 class RecordWriter:
     """Appends records to a JSONL file and flushes each batch, so an interrupt loses nothing
-    that was finished. With resume, records already in the file are kept and reported; they
-    must have been made with the same eps values and run settings."""
+    that was finished. The file is locked while the run lasts: a second process writing the same
+    file is refused rather than interleaving with the first. With resume, records already in the
+    file are kept and reported; they must have been made with the same eps values and run
+    settings. A file that is not a record file of ours is never modified."""
 
     def __init__(self, path: Path | None, resume: bool, eps: Sequence[float],
                  run: dict[str, Any]) -> None:
         self.path = path
         self.done: dict[int, SampleRecord] = {}
+        self.handle = None
         if path is None:
-            self.handle = None
             return
-        if resume and path.is_file():
-            self.done = read_records(path, eps, run)
-            self._rewrite_clean()
-        elif path.exists() and not resume:
+        if path.is_dir():
+            raise LofastError(f"{path} is a folder; --out names the record file to write")
+        if path.exists() and not resume:
             raise LofastError(f"{path} exists; pass --resume to continue it or choose another --out")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # kept open across batches so that each batch is appended and flushed as it finishes
-        self.handle = open(path, "a", encoding="utf-8")  # noqa: SIM115
-
-    def _rewrite_clean(self) -> None:
-        """Drop a torn last line left by an interrupt before appending to the file."""
-        assert self.path is not None
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(record.to_json() + "\n" for record in self.done.values())
-        os.replace(tmp, self.path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # "a+b" creates the file, never truncates it, and appends every write
+            handle = open(path, "a+b")  # noqa: SIM115 - kept open (and locked) across batches
+        except OSError as e:
+            raise LofastError(f"cannot write {path}: {e.strerror or e}") from None
+        if not _lock(handle):
+            handle.close()
+            raise LofastError(f"{path} is being written by another lofast process; wait for it "
+                              "to finish or choose another --out")
+        try:
+            if resume:
+                handle.seek(0)
+                content = handle.read()
+                self.done, valid = parse_records(content, path, eps, run)
+                if valid < len(content):
+                    handle.truncate(valid)  # drop the torn last line, nothing else
+        except BaseException:
+            handle.close()
+            raise
+        self.handle = handle
 
     def write(self, records: Iterable[SampleRecord]) -> None:
         if self.handle is None:
             return
-        self.handle.writelines(record.to_json() + "\n" for record in records)
-        self.handle.flush()
-        os.fsync(self.handle.fileno())
+        lines = "".join(record.to_json() + "\n" for record in records).encode("utf-8")
+        try:
+            self.handle.write(lines)
+            self.handle.flush()
+            os.fsync(self.handle.fileno())
+        except OSError as e:
+            raise LofastError(f"cannot write {self.path}: {e.strerror or e}; the records written "
+                              "before are kept, rerun with --resume") from None
 
     def close(self) -> None:
         if self.handle is not None:
-            self.handle.close()
+            self.handle.close()  # releases the lock
+            self.handle = None
 
 
-def read_records(path: Path, eps: Sequence[float], run: dict[str, Any]) -> dict[int, SampleRecord]:
-    """Records of a JSONL file by index; a torn final line is ignored, a file made for other
-    eps values or other run settings is refused."""
+def record_from_json(values: Any) -> SampleRecord:
+    """A SampleRecord from one decoded JSON line; ValueError where a field is missing, unknown
+    or of the wrong type."""
+    if not isinstance(values, dict) or set(values) != set(RECORD_FIELDS):
+        raise ValueError("not a record")
+    for name, types in RECORD_FIELDS.items():
+        # bool is an int to Python, never a number to us
+        if not isinstance(values[name], types) or isinstance(values[name], bool):
+            raise ValueError(f"field {name} has the wrong type")  # noqa: TRY004 - one error kind
+    if not all(isinstance(v, bool) for v in values["verdicts"].values()):
+        raise ValueError("verdicts must be true or false")
+    return SampleRecord(**values)
+
+
+def parse_records(content: bytes, path: Path, eps: Sequence[float],
+                  run: dict[str, Any]) -> tuple[dict[int, SampleRecord], int]:
+    """Records of a JSONL file's bytes by index, and the length of its valid part (all but a
+    torn final line). A file that is not ours, or was made for other eps values or other run
+    settings, is refused with LofastError."""
     records: dict[int, SampleRecord] = {}
-    lines = path.read_text(encoding="utf-8").splitlines()
-    for number, line in enumerate(lines, 1):
+    keys = {eps_key(e) for e in eps}
+    lines = content.split(b"\n")
+    valid = 0
+    for number, line in enumerate(lines[:-1], 1):
         try:
-            record = SampleRecord(**json.loads(line))
-        except (json.JSONDecodeError, TypeError):
-            if number == len(lines):
-                break  # the line being written when the run stopped
-            raise LofastError(f"{path}:{number}: not a lofast record") from None
-        if set(record.verdicts) != {eps_key(e) for e in eps}:
+            record = record_from_json(json.loads(line.decode("utf-8")))
+        except (UnicodeDecodeError, ValueError):
+            raise LofastError(f"{path}:{number}: not a lofast record; --resume continues only a "
+                              "file that lofast certify wrote") from None
+        if set(record.verdicts) != keys:
             raise LofastError(f"{path}: was written for eps {sorted(record.verdicts)}; "
                               "resume with the same --eps values")
         if record.run != run:
@@ -108,7 +170,12 @@ def read_records(path: Path, eps: Sequence[float], run: dict[str, Any]) -> dict[
             raise LofastError(f"{path}: was written with other settings: {detail}; resume with "
                               "the same settings or choose another --out")
         records[record.index] = record
-    return records
+        valid += len(line) + 1
+    torn = lines[-1]
+    if torn and not (torn.startswith(RECORD_START) or RECORD_START.startswith(torn)):
+        raise LofastError(f"{path}: not a lofast record file (its last line is not a record); "
+                          "--resume continues only a file that lofast certify wrote")
+    return records, valid
 
 
 @dataclass

@@ -28,6 +28,8 @@ def resolve_device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise LofastError(f"unknown device {name!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise LofastError(f"device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise LofastError(f"device {name!r} requested but no CUDA GPU is available")
     return device
@@ -151,13 +153,15 @@ def _lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
 def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarray,
           test_images: np.ndarray, test_labels: np.ndarray, config: TrainConfig,
           device: torch.device, state_path: Path | None = None, resume: bool = False,
-          on_step: Callable[[StepStats], None] | None = None,
+          plan: dict | None = None, on_step: Callable[[StepStats], None] | None = None,
           on_epoch: Callable[[EpochStats], None] | None = None) -> list[EpochStats]:
     """Train in place; after every epoch the full state is written atomically to state_path.
 
     With resume=True and an existing state file, training continues after the last finished
     epoch with the same optimizer, schedule and random streams, so an interrupted run ends
-    where an uninterrupted one would.
+    where an uninterrupted one would. `plan` (JSON values) names what else the run depends on
+    (model config, data digest...): it is saved with the state, and a resume with another plan
+    or other settings is refused.
     """
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
@@ -176,7 +180,18 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
         if state["train_config"] != asdict(config):
             raise LofastError(f"{state_path}: the training settings differ from this run's; "
                               "resume with the same options")
-        model.load_state_dict(state["model"])
+        saved_plan = state.get("plan") or {}
+        changed = sorted(k for k in set(saved_plan) | set(plan or {})
+                         if saved_plan.get(k) != (plan or {}).get(k))
+        if saved_plan and plan and changed:
+            raise LofastError(f"{state_path}: this run differs from the one it would resume in "
+                              f"{', '.join(changed)}; resume with the same model, data and "
+                              "options, or choose another --out")
+        try:
+            model.load_state_dict(state["model"])
+        except RuntimeError:  # a state written before plans were saved, for another model
+            raise LofastError(f"{state_path}: saved for another model; resume with the same "
+                              "model, or choose another --out") from None
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         generator.set_state(state["generator"])
@@ -204,7 +219,12 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
             if config.augment:
                 x = augment(x, generator)
             eps = scheduled_eps(config, epoch + step / steps_per_epoch)
-            loss, logits = training_step(model, optimizer, x, y, config, bound, eps, use_amp)
+            try:
+                loss, logits = training_step(model, optimizer, x, y, config, bound, eps,
+                                             use_amp)
+            except torch.linalg.LinAlgError:  # the spectral caps' SVD of non-finite weights
+                raise LofastError(f"training diverged at epoch {epoch + 1} (non-finite weights); "
+                                  "lower the learning rate") from None
             if not torch.isfinite(loss):
                 raise LofastError(f"training diverged at epoch {epoch + 1} (loss {loss.item()}); "
                                   "lower the learning rate")
@@ -219,10 +239,13 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
         stats = EpochStats(epoch + 1, config.epochs, loss_sum / seen, correct / seen,
                            evaluate(model, test_images, test_labels, device),
                            seen / seconds, seconds)
+        if not all(torch.isfinite(p).all() for p in model.parameters()):
+            raise LofastError(f"training produced non-finite weights in epoch {epoch + 1}; the "
+                              "last finished epoch's state is kept; lower the learning rate")
         history.append(stats)
         if state_path is not None:
             save_training_state(state_path, model, optimizer, scheduler, generator, epoch + 1,
-                                config, history, bound)
+                                config, history, bound, plan)
         if on_epoch is not None:
             on_epoch(stats)
     model.eval()
@@ -232,8 +255,10 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
 def save_training_state(path: Path, model: LipschitzViT, optimizer: torch.optim.Optimizer,
                         scheduler: torch.optim.lr_scheduler.LRScheduler,
                         generator: torch.Generator, epoch: int, config: TrainConfig,
-                        history: list[EpochStats], bound: TrainingBound | None = None) -> None:
+                        history: list[EpochStats], bound: TrainingBound | None = None,
+                        plan: dict | None = None) -> None:
     state = {
+        "plan": plan or {},
         "bound": bound.state() if bound is not None else {},
         "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "optimizer": optimizer.state_dict(),

@@ -3,7 +3,9 @@ sys.path)."""
 
 import dataclasses
 
+import numpy as np
 import torch
+from PIL import Image
 
 from lofast.config import preset
 from lofast.models.vit import create_model
@@ -41,3 +43,16 @@ def train_tiny(**options):
     model.eval()
     test_x, test_y = synthetic_images(64, torch.Generator().manual_seed(1))
     return model, test_x, test_y
+
+
+def write_image_folder(root, per_class, seed):
+    rng = np.random.default_rng(seed)
+    colours = np.array([[200, 40, 40], [40, 200, 40], [40, 40, 200], [200, 200, 40]])
+    for split, count in (("train", per_class), ("test", per_class // 2)):
+        for c, colour in enumerate(colours):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True)
+            for i in range(count):
+                noise = rng.integers(-40, 40, (32, 32, 3))
+                pixels = np.clip(colour + noise, 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i:03d}.png")

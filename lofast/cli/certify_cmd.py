@@ -78,7 +78,7 @@ class PositiveFloat(click.ParamType):
               help="Run (alpha-)CROWN from auto_LiRPA on the samples LoFAST leaves uncertified.")
 @click.option("--fallback-timeout", type=PositiveFloat(), default=None,
               help="Seconds the fallback may spend on one sample.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Write one JSON record per sample (JSONL) as the run goes.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from --out.")
@@ -100,6 +100,7 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
     from lofast.bounds.spectral import SpectralMethod
     from lofast.certify import Certifier, CertifySettings
     from lofast.checkpoint import (
+        check_data_fits,
         default_checkpoint_path,
         file_digest,
         load_checkpoint,
@@ -129,10 +130,7 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
         data = load_bundled_sample()
     else:
         data = load_dataset(data_path, split, dataset or meta.get("dataset"))
-    expected = (model.config.image_size, model.config.image_size, model.config.channels)
-    if data.images.shape[1:] != expected:
-        raise LofastError(f"data images have shape {data.images.shape[1:]}, the model expects "
-                          f"{expected} (H, W, C)")
+    check_data_fits(model, meta, data)
     order = class_balanced_order(data.labels)[:limit]
     eps = sorted(set(eps_values))
     settings = CertifySettings(bound=bound, kappa=float(kappa), seed=seed,
@@ -144,9 +142,10 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
            "fallback": fallback, "fallback_timeout": fallback_timeout, "seed": seed}
     writer = RecordWriter(out, resume, eps, run)
     todo = [int(i) for i in order if int(i) not in writer.done]
-    records = list(writer.done.values())
-    if writer.done:
-        console.print(f"resuming: {len(writer.done)} samples already certified in {out}")
+    # a file resumed with a smaller --n holds records outside this run's samples: not counted
+    records = [writer.done[int(i)] for i in order if int(i) in writer.done]
+    if records:
+        console.print(f"resuming: {len(records)} samples already certified in {out}")
     eps_tensor = torch.tensor(eps, dtype=torch.float64)
     started = time.perf_counter()
     failure_probability = 0.0
@@ -155,7 +154,7 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
                TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn()]
     try:
         with Progress(*columns, console=console, transient=True) as progress:
-            task = progress.add_task("certify", total=len(order), completed=len(writer.done),
+            task = progress.add_task("certify", total=len(order), completed=len(records),
                                      rate="")
             for start in range(0, len(todo), batch_size):
                 index = todo[start:start + batch_size]

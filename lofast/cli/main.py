@@ -9,6 +9,7 @@ import threading
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from lofast import __version__
 from lofast.errors import LofastError
@@ -35,7 +36,12 @@ class LofastGroup(click.Group):
         try:
             return super().invoke(ctx)
         except LofastError as e:
-            stderr.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+            stderr.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
+            sys.exit(1)
+        except OSError as e:  # the machine's refusal (full disk, permissions), not a bug of ours
+            where = f"{e.filename}: " if e.filename else ""
+            stderr.print(f"[bold red]error:[/] {escape(where + str(e.strerror or e))}",
+                         soft_wrap=True)
             sys.exit(1)
         except KeyboardInterrupt as e:
             stderr.print("[yellow]interrupted[/]: finished work is saved; rerun with --resume")

@@ -79,7 +79,7 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
               help="Random crop and horizontal flip. The small presets underfit CIFAR-10 "
                    "(train accuracy = test accuracy); there --no-augment trains better models "
                    "(see the model card).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1 ...")
 @click.option("--amp/--no-amp", default=True, show_default=True,
               help="bfloat16 autocast (GPU only).")
@@ -89,15 +89,18 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
               help="Checkpoint to write (.safetensors).")
 @click.option("--resume", is_flag=True,
               help="Continue from OUT.state.pt if an earlier run was interrupted.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing OUT (without it, train never overwrites a file it did "
+                   "not write in this run or the run it resumes).")
 def train(dataset, data_path, download, preset, model_options, init_path, epochs, batch_size, lr,
           weight_decay, warmup_epochs, schedule, loss, margin, train_eps, eps_ramp_epochs,
           clean_mix, power_iterations, softmax_jacobian, temperature, augment, seed, device, amp,
-          limit, out, resume) -> None:
+          limit, out, resume, overwrite) -> None:
     """Train a Lipschitz ViT on a data set and save it as a checkpoint."""
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from lofast.checkpoint import file_digest, load_checkpoint, save_checkpoint
+    from lofast.checkpoint import check_writable, file_digest, load_checkpoint, save_checkpoint
     from lofast.cli.progress import PlainProgress
     from lofast.config import TrainConfig
     from lofast.config import preset as make_preset
@@ -109,6 +112,11 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
     from lofast.train import train as run_training
 
     ctx = click.get_current_context()
+    state_path = out.with_name(out.name + ".state.pt")
+    resuming = resume and state_path.is_file()
+    if out.exists() and not (overwrite or resuming):
+        raise LofastError(f"{out} exists; pass --overwrite to replace it or choose another --out")
+    check_writable(out)  # before any training: a run must not fail only when it saves
     dev = resolve_device(device)
     config = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
                          warmup_epochs=warmup_epochs, schedule=schedule, loss=loss,
@@ -142,7 +150,10 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
         # class-balanced: data sets stored class by class would otherwise give a few classes
         train_set = train_set.subset(class_balanced_order(train_set.labels)[:limit])
     torch.manual_seed(seed)
-    state_path = out.with_name(out.name + ".state.pt")
+    # what a resumed run must share with the run it continues, besides the training settings
+    plan = {"model_config": model.config.to_json(), "dataset": train_set.name,
+            "data": train_set.digest()[:16], "limit": limit,
+            "init": None if init_path is None else file_digest(init_path)[:16]}
     console.print(f"training [bold]{architecture}[/] on {train_set.name} ({len(train_set)} train, "
                   f"{len(test_set)} test images) on {dev}")
 
@@ -168,7 +179,7 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
 
         history = run_training(model, train_set.images, train_set.labels, test_set.images,
                                test_set.labels, config, dev, state_path=state_path,
-                               resume=resume, on_step=on_step, on_epoch=on_epoch)
+                               resume=resume, plan=plan, on_step=on_step, on_epoch=on_epoch)
     final = history[-1]
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in ctx.params.items()}
     if init_path is not None:

@@ -3,7 +3,9 @@
 One uncompressed .npz per (source kind, absolute source path, split). Each file records the key
 it was built for: the format version, the source and a fingerprint of the size and mtime of
 every file read (every file below a folder), so a changed source, or a file from an older
-version of this code, is a miss and gets rebuilt. Caching is best effort: an unreadable or corrupt
+version of this code, is a miss and gets rebuilt. Each file also records the SHA-256 of its
+content (images, labels, class names), checked on every load: an entry whose arrays were changed
+in place (labels edited, images swapped, the key kept) is rebuilt from the source. Caching is best effort: an unreadable or corrupt
 cache file is rebuilt and an unwritable cache folder is skipped, never an error.
 """
 
@@ -23,7 +25,7 @@ from lofast.data.dataset import ImageDataset
 log = logging.getLogger(__name__)
 
 # Bump whenever readers change what they return for the same source.
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2
 
 
 def default_cache_dir() -> Path:
@@ -63,7 +65,11 @@ def _load(path: Path, key: str) -> ImageDataset | None:
             if str(npz["key"]) != key:
                 return None
             classes = tuple(str(c) for c in npz["classes"])
-            return ImageDataset(npz["images"], npz["labels"], classes, str(npz["name"]))
+            dataset = ImageDataset(npz["images"], npz["labels"], classes, str(npz["name"]))
+            if dataset.digest() != str(npz["digest"]):
+                log.warning("cache file %s does not match its digest; rebuilding it", path)
+                return None
+            return dataset
     except FileNotFoundError:
         return None
     # Any damage (bad zip, missing or malformed array, wrong shapes) just means: rebuild.
@@ -80,7 +86,8 @@ def _save(path: Path, key: str, dataset: ImageDataset) -> None:
         fd, tmp_name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
         tmp = Path(tmp_name)
         with os.fdopen(fd, "wb") as out:
-            np.savez(out, key=np.array(key), images=dataset.images, labels=dataset.labels,
+            np.savez(out, key=np.array(key), digest=np.array(dataset.digest()),
+                     images=dataset.images, labels=dataset.labels,
                      classes=np.array(dataset.classes, dtype=str), name=np.array(dataset.name))
         os.replace(tmp, path)
         tmp = None

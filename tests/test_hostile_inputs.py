@@ -1,0 +1,280 @@
+"""Inputs a careless or hostile user gives: every one ends in one `error:` line and a non-zero
+exit, never a traceback, and leaves every file as it was; results are never lost or mixed."""
+
+import errno
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from helpers import write_image_folder
+
+from lofast.checkpoint import save_checkpoint
+from lofast.cli.main import cli
+from lofast.config import preset
+from lofast.models.vit import create_model
+from lofast.report import RecordWriter
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("folder")
+    write_image_folder(root, 8, 0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "tiny.safetensors"
+    model = create_model(preset("tiny", num_classes=4), seed=0)
+    save_checkpoint(path, model, {"dataset": "folder",
+                                  "classes": ["class0", "class1", "class2", "class3"]})
+    return path
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path_factory, monkeypatch):
+    # shared and outside the folders whose files a test watches
+    monkeypatch.setenv("LOFAST_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def assert_one_clear_error(result, *needles):
+    assert result.exit_code != 0, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), \
+        repr(result.exception)
+    assert "Traceback" not in result.output
+    # ours print "error: ...", click's own option checks "Error: ..." after a usage line
+    assert sum("error:" in line.lower() for line in result.output.splitlines()) == 1, \
+        result.output
+    for needle in needles:
+        assert needle in result.output, result.output
+
+
+def snapshot(folder):
+    """Path -> SHA-256 of every file below folder."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def certify_args(checkpoint, data_dir, *extra):
+    return ["certify", "--checkpoint", checkpoint, "--data", data_dir, "--eps", "0.1",
+            "--device", "cpu", *extra]
+
+
+def train_args(data_dir, out, *extra):
+    return ["train", "--dataset", "folder", "--data", data_dir, "--preset", "tiny",
+            "--epochs", "1", "--batch-size", "16", "--device", "cpu", "--out", out, *extra]
+
+
+# name -> (arguments, with {ckpt}, {data}, {work} replaced, and a text the error must contain)
+BAD_INPUTS = {
+    "device meta": (["certify", "--checkpoint", "{ckpt}", "--data", "{data}", "--eps", "0.1",
+                     "--device", "meta"], "not supported"),
+    "seed 2**70": (["certify", "--checkpoint", "{ckpt}", "--data", "{data}", "--eps", "0.1",
+                    "--seed", str(2**70)], "seed"),
+    "out under a regular file": (["certify", "--checkpoint", "{ckpt}", "--data", "{data}",
+                                  "--eps", "0.1", "--out", "{work}/notes.txt/r.jsonl"],
+                                 "cannot write"),
+    "resume a text file": (["certify", "--checkpoint", "{ckpt}", "--data", "{data}", "--eps",
+                            "0.1", "--out", "{work}/notes.txt", "--resume"], "not a lofast record"),
+    "resume a binary file": (["certify", "--checkpoint", "{ckpt}", "--data", "{data}", "--eps",
+                              "0.1", "--out", "{work}/binary.jsonl", "--resume"],
+                             "not a lofast record"),
+    "resume a record of the wrong type": (["certify", "--checkpoint", "{ckpt}", "--data",
+                                           "{data}", "--eps", "0.1", "--out",
+                                           "{work}/typed.jsonl", "--resume"], "not a lofast record"),
+    "directory as checkpoint": (["certify", "--checkpoint", "{work}", "--eps", "0.1"],
+                                "directory"),
+    "train lr inf": (["train", "--data", "{data}", "--lr", "inf", "--out", "{work}/m.safetensors"],
+                     "lr"),
+    "train warm-up nan": (["train", "--data", "{data}", "--warmup-epochs", "nan", "--out",
+                           "{work}/m.safetensors"], "warmup_epochs"),
+    "train weight decay -1": (["train", "--data", "{data}", "--weight-decay", "-1", "--out",
+                               "{work}/m.safetensors"], "weight_decay"),
+    "train seed 2**70": (["train", "--data", "{data}", "--seed", str(2**70), "--out",
+                          "{work}/m.safetensors"], "seed"),
+    "train device meta": (["train", "--data", "{data}", "--device", "meta", "--out",
+                           "{work}/m.safetensors"], "not supported"),
+    "train unknown model option": (["train", "--dataset", "folder", "--data", "{data}",
+                                    "--preset", "tiny", "--model-option", "bogus=1", "--out",
+                                    "{work}/m.safetensors"], "bogus"),
+    "train negative radius": (["train", "--dataset", "folder", "--data", "{data}", "--preset",
+                               "tiny", "--model-option", "final_radius=-1", "--out",
+                               "{work}/m.safetensors"], "final_radius"),
+    "train zero heads": (["train", "--dataset", "folder", "--data", "{data}", "--preset", "tiny",
+                          "--model-option", "heads=0", "--out", "{work}/m.safetensors"], "heads"),
+    "train string cap": (["train", "--dataset", "folder", "--data", "{data}", "--preset", "tiny",
+                          "--model-option", "value_cap=big", "--out", "{work}/m.safetensors"],
+                         "value_cap"),
+    "train out under a regular file": (["train", "--dataset", "folder", "--data", "{data}",
+                                        "--preset", "tiny", "--out",
+                                        "{work}/notes.txt/m.safetensors"], "cannot write"),
+    "train over an existing file": (["train", "--dataset", "folder", "--data", "{data}",
+                                     "--preset", "tiny", "--out", "{work}/notes.txt"],
+                                    "--overwrite"),
+    "train resume a binary state": (["train", "--dataset", "folder", "--data", "{data}",
+                                     "--preset", "tiny", "--epochs", "1", "--out",
+                                     "{work}/garbled.safetensors", "--resume"], "unreadable"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_is_one_clear_error_and_changes_nothing(case, checkpoint, data_dir, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("my notes, not records\n")
+    (work / "binary.jsonl").write_bytes(bytes(range(256)))
+    record = {"index": "zero", "label": 0, "prediction": 0, "margin": 1.0, "radius": 0.1,
+              "verdicts": {"0.1": True}, "bounds": {"0.1": 0.0}, "verifiers": {"0.1": "lofast"},
+              "reasons": {}, "rule": "pairwise-head", "seconds": 0.0, "fallback_seconds": {},
+              "run": {}}
+    (work / "typed.jsonl").write_text(json.dumps(record) + "\n")
+    (work / "garbled.safetensors.state.pt").write_bytes(b"\x80\x04garbage")
+    before = snapshot(work)
+    args, needle = BAD_INPUTS[case]
+    args = [a.format(ckpt=checkpoint, data=data_dir, work=work) for a in args]
+    result = invoke(*args)
+    assert_one_clear_error(result, needle)
+    assert "epoch 1/" not in result.output  # refused before any training
+    assert snapshot(work) == before
+
+
+def test_second_writer_of_one_record_file_is_refused(checkpoint, data_dir, tmp_path):
+    out = tmp_path / "r.jsonl"
+    from lofast.report import eps_key
+
+    holder = RecordWriter(out, False, [0.1], {"run": eps_key(0.1)})  # another run, still going
+    try:
+        result = invoke(*certify_args(checkpoint, data_dir, "--out", out, "--resume"))
+        assert_one_clear_error(result, "another lofast process")
+    finally:
+        holder.close()
+    result = invoke(*certify_args(checkpoint, data_dir, "--out", tmp_path / "s.jsonl", "--n", "4"))
+    assert result.exit_code == 0, result.output
+
+
+def test_full_disk_keeps_finished_records(checkpoint, data_dir, tmp_path, monkeypatch):
+    import lofast.report
+
+    out = tmp_path / "r.jsonl"
+    calls = {"n": 0}
+    real_fsync = os.fsync
+
+    def fsync_then_fill(fd):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(lofast.report.os, "fsync", fsync_then_fill)
+    result = invoke(*certify_args(checkpoint, data_dir, "--out", out, "--batch-size", "2",
+                                  "--n", "6"))
+    assert_one_clear_error(result, "No space left")
+    monkeypatch.setattr(lofast.report.os, "fsync", real_fsync)
+    result = invoke(*certify_args(checkpoint, data_dir, "--out", out, "--batch-size", "2",
+                                  "--n", "6", "--resume", "--json"))
+    assert result.exit_code == 0, result.output
+    assert "resuming: 2 samples" in result.output or "resuming: 4 samples" in result.output
+    assert json.loads(result.stdout)["samples"] == 6
+
+
+def test_resume_counts_only_the_requested_samples(checkpoint, data_dir, tmp_path):
+    out = tmp_path / "r.jsonl"
+    assert invoke(*certify_args(checkpoint, data_dir, "--out", out, "--n", "8")).exit_code == 0
+    result = invoke(*certify_args(checkpoint, data_dir, "--out", out, "--n", "2", "--resume",
+                                  "--json"))
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["samples"] == 2
+    assert len(out.read_text().splitlines()) == 8  # the other records stay in the file
+
+
+def test_distinct_eps_never_share_a_key(checkpoint, data_dir, tmp_path):
+    out = tmp_path / "r.jsonl"
+    args = ["certify", "--checkpoint", checkpoint, "--data", data_dir, "--n", "2", "--device",
+            "cpu", "--out", out, "--eps"]
+    assert invoke(*args, "36/255").exit_code == 0
+    result = invoke(*args, "0.141176", "--resume")
+    assert_one_clear_error(result, "same --eps")
+
+
+def test_renamed_class_folder_is_refused(checkpoint, data_dir, tmp_path):
+    import shutil
+
+    renamed = tmp_path / "renamed"
+    shutil.copytree(data_dir, renamed)
+    for split in ("train", "test"):
+        (renamed / split / "class0").rename(renamed / split / "zebra")
+    result = invoke(*certify_args(checkpoint, renamed))
+    assert_one_clear_error(result, "'zebra'", "'class0'")
+
+
+def test_tampered_cache_is_rebuilt(data_dir, tmp_path):
+    from lofast.data import load_dataset
+
+    cache = tmp_path / "cache"
+    honest = load_dataset(data_dir, "test", "folder", cache_dir=cache)
+    (entry,) = cache.glob("*.npz")
+    with np.load(entry) as npz:
+        arrays = dict(npz)
+    arrays["labels"] = np.zeros_like(arrays["labels"])  # every label 0, the key kept
+    np.savez(entry, **arrays)
+    again = load_dataset(data_dir, "test", "folder", cache_dir=cache)
+    assert np.array_equal(again.labels, honest.labels) and again.labels.any()
+
+
+def test_train_refuses_to_overwrite_unless_asked(data_dir, tmp_path):
+    out = tmp_path / "m.safetensors"
+    out.write_text("someone else's file")
+    assert_one_clear_error(invoke(*train_args(data_dir, out)), "--overwrite")
+    assert out.read_text() == "someone else's file"
+    result = invoke(*train_args(data_dir, out, "--overwrite"))
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("change, named", [
+    (["--limit", "8"], "in data, limit"),
+    (["--model-option", "depth=1"], "in model_config"),
+    (["--preset", "paper-d3"], "in model_config"),
+])
+def test_train_resume_refuses_another_plan(data_dir, tmp_path, change, named):
+    out = tmp_path / "m.safetensors"
+    args = train_args(data_dir, out, "--epochs", "2")
+    assert invoke(*args).exit_code == 0
+    args = [a for a in args if a != "tiny"] if "--preset" in change else args
+    if "--preset" in change:
+        args.remove("--preset")
+    result = invoke(*args, *change, "--resume")
+    assert_one_clear_error(result, named)
+
+
+def test_non_finite_weights_stop_training_and_keep_the_last_good_state(data_dir, tmp_path,
+                                                                       monkeypatch):
+    import torch
+
+    import lofast.train as train_module
+
+    original = train_module.training_step
+    calls = {"n": 0}
+
+    def poison_in_epoch_two(model, *a, **k):  # 32 images in batches of 16: 2 steps per epoch
+        calls["n"] += 1
+        result = original(model, *a, **k)
+        if calls["n"] == 4:  # after the last step of epoch 2
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("inf"))
+        return result
+
+    monkeypatch.setattr(train_module, "training_step", poison_in_epoch_two)
+    out = tmp_path / "m.safetensors"
+    result = invoke(*train_args(data_dir, out, "--epochs", "3", "--limit", "32"))
+    assert_one_clear_error(result, "non-finite weights in epoch 2")
+    assert not out.exists()
+    state = train_module.load_training_state(out.with_name(out.name + ".state.pt"))
+    assert state["epoch"] == 1
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
