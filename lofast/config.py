@@ -56,6 +56,9 @@ class ModelConfig:
     # on the input, so it adds nothing to the softmax terms of the bound; zeta is taken around
     # softmax(bias) instead of uniform attention. Collapsed scores still mix tokens spatially.
     position_bias: bool = False
+    # Fix every head's ||Wq_l Wk_l^T|| at this value (None: only capped, which lets certified
+    # training drive the scores, and with them input-dependent attention, to zero).
+    score_norm: float | None = None
 
     def __post_init__(self) -> None:
         # Every value here reaches the forward pass, and the radii reach the Lipschitz
@@ -65,7 +68,7 @@ class ModelConfig:
             _check_int(name, getattr(self, name), minimum=2 if name == "num_classes" else 1)
         for name in ("embed_cap", "value_cap", "output_cap", "attn_radius"):
             _check_positive(name, getattr(self, name))
-        for name in ("query_key_cap", "mlp_radius", "final_radius"):
+        for name in ("query_key_cap", "mlp_radius", "final_radius", "score_norm"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         if not _is_real(self.input_center) or not math.isfinite(self.input_center):

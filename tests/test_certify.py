@@ -29,6 +29,12 @@ def trained_with_position_bias():
 
 
 @pytest.fixture(scope="module")
+def trained_with_live_attention():
+    """Every head's ||Wq_l Wk_l^T|| fixed at 4: scores vary by up to 1 across tokens."""
+    return train_tiny(position_bias=True, score_norm=4.0)
+
+
+@pytest.fixture(scope="module")
 def certificate(trained):
     model, x, y = trained
     return Certifier(model, CertifySettings()).certify(x, y)
@@ -43,12 +49,13 @@ def test_model_learned_and_some_samples_certify(trained, certificate):
 
 
 @pytest.mark.parametrize("kind, model_name", [("lanczos", "trained"), ("verified", "trained"),
-                                               ("verified", "trained_with_position_bias")])
+                                               ("verified", "trained_with_position_bias"),
+                                               ("verified", "trained_with_live_attention")])
 def test_certified_samples_survive_pgd(kind, model_name, request):
     """Attack every sample just inside its certified radius: that ball contains the ball of
     every eps it is certified at, so one strong attack there checks all its verdicts. Both
     certificate-grade methods: randomized Lanczos and the Cholesky-verified default of the CLI;
-    and a model whose attention has position biases."""
+    and models whose attention has position biases, and input-dependent scores."""
     model, x, y = request.getfixturevalue(model_name)
     certificate = Certifier(model, CertifySettings(method=SpectralMethod(kind=kind))).certify(x, y)
     radius = certificate.radius()

@@ -16,7 +16,7 @@ from lofast.models.layers import (
     Pool,
     spectral_cap,
 )
-from lofast.models.vit import create_model, with_position_bias
+from lofast.models.vit import create_model, with_options
 
 SLACK = 1e-5
 
@@ -141,7 +141,7 @@ def test_position_bias_enters_the_scores_and_the_spec():
 
 def test_adding_position_biases_keeps_the_function():
     model = create_model(preset("tiny"), seed=0).double()
-    extended = with_position_bias(model)
+    extended = with_options(model, position_bias=True)
     assert extended.config.position_bias and not model.config.position_bias
     x = torch.rand(4, 3, 32, 32, dtype=torch.float64)
     torch.testing.assert_close(extended(x), model(x), rtol=0, atol=0)
@@ -186,3 +186,23 @@ def test_presets_are_valid_and_bad_configs_fail():
         ModelConfig(width=30, heads=4)
     with pytest.raises(LofastError):
         preset("nope")
+
+
+@pytest.mark.parametrize("gain", [0.5, 4.0])
+def test_score_norm_fixes_every_heads_score_matrix(gain):
+    model = create_model(preset("tiny", score_norm=gain), seed=0).double()
+    for stage in model.stages:
+        if hasattr(stage, "head_weights"):
+            w = stage.head_weights()
+            scores = w["query"] @ w["key"].transpose(1, 2)  # (h, d, d)
+            torch.testing.assert_close(torch.linalg.matrix_norm(scores, ord=2),
+                                       torch.full((stage.heads,), gain, dtype=torch.float64))
+
+
+def test_score_norm_can_be_added_to_a_trained_model():
+    model = create_model(preset("tiny"), seed=0).double()
+    alive = with_options(model, score_norm=2.0)
+    assert alive.config.score_norm == 2.0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), alive.parameters()))
+    with pytest.raises(LofastError, match="take on only"):
+        with_options(model, heads=1)

@@ -46,7 +46,8 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
               help="Start from this checkpoint's weights and architecture (fine-tuning, or "
                    "more epochs on a new schedule); replaces --preset and --model-option, "
                    "except --model-option position_bias=true, which adds zero position biases "
-                   "(the same function) to a checkpoint without them.")
+                   "(the same function) to a checkpoint without them, and score_norm=G, which "
+                   "fixes every head's ||Wq_l Wk_l^T|| at G.")
 @click.option("--epochs", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--lr", type=float, default=1e-3, show_default=True)
@@ -107,7 +108,7 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
     from lofast.data import load_dataset
     from lofast.data.sample import class_balanced_order
     from lofast.errors import LofastError
-    from lofast.models.vit import create_model, with_position_bias
+    from lofast.models.vit import INIT_OPTIONS, create_model, with_options
     from lofast.train import resolve_device
     from lofast.train import train as run_training
 
@@ -136,12 +137,13 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
     else:
         preset_given = ctx.get_parameter_source("preset") is click.core.ParameterSource.COMMANDLINE
         options = parse_model_options(model_options)
-        if preset_given or options not in ({}, {"position_bias": True}):
+        if preset_given or not set(options) <= set(INIT_OPTIONS):
             raise LofastError("--init takes the architecture from the checkpoint; drop --preset "
-                              "and --model-option (only position_bias=true may be added)")
+                              "and --model-option (only position_bias=true and score_norm=G "
+                              "may be added)")
         model = load_checkpoint(init_path)
         if options:
-            model = with_position_bias(model)
+            model = with_options(model, **options)
         stored = {key: getattr(model.config, key) for key in data_shape}
         if stored != data_shape:
             raise LofastError(f"{init_path}: built for {stored}, the data set has {data_shape}")

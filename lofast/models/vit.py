@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 from collections.abc import Iterator
 
@@ -11,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from lofast.config import ModelConfig
+from lofast.errors import LofastError
 from lofast.models.layers import (
     SLL,
     Attention,
@@ -42,7 +42,8 @@ class LipschitzViT(nn.Module):
         for _ in range(c.depth):
             stages.append(LayerProject(c.attn_radius))
             stages.append(Attention(c.width, c.heads, c.query_key_cap, c.value_cap,
-                                    c.output_cap, c.num_tokens if c.position_bias else None))
+                                    c.output_cap, c.num_tokens if c.position_bias else None,
+                                    c.score_norm))
             if c.mlp_radius is not None:
                 stages.append(LayerProject(c.mlp_radius))
             stages.append(SLL(c.width, c.width * c.mlp_ratio))
@@ -89,13 +90,23 @@ class LipschitzViT(nn.Module):
         return [stage.spec() for stage in self.stages]
 
 
-def with_position_bias(model: LipschitzViT) -> LipschitzViT:
-    """A copy of ``model`` whose attention blocks have a position bias, all zero: the same
-    function, with the biases free to train (for fine-tuning a model trained without them)."""
-    if model.config.position_bias:
-        return copy.deepcopy(model)
+# Options a trained model can take on (``lofast train --init CKPT --model-option ...``): each
+# keeps every weight of the model and adds only zero-initialised ones.
+INIT_OPTIONS = {
+    "position_bias": "zero position biases (the same function), free to train",
+    "score_norm": "every head's ||Wq_l Wk_l^T|| fixed at this value (attention kept alive)",
+}
+
+
+def with_options(model: LipschitzViT, **changes) -> LipschitzViT:
+    """A copy of ``model`` with config fields from INIT_OPTIONS changed: position_bias=True adds
+    zero biases (the same function); score_norm rescales every head's scores to that norm."""
+    unknown = sorted(set(changes) - set(INIT_OPTIONS))
+    if unknown or changes.get("position_bias", True) is not True:
+        raise LofastError(f"a trained model can take on only: "
+                          f"{', '.join(f'{k} ({v})' for k, v in INIT_OPTIONS.items())}")
     like = next(model.parameters())
-    extended = LipschitzViT(dataclasses.replace(model.config, position_bias=True)).to(like)
+    extended = LipschitzViT(dataclasses.replace(model.config, **changes)).to(like)
     missing, unexpected = extended.load_state_dict(model.state_dict(), strict=False)
     assert not unexpected and all(key.endswith(".position_bias") for key in missing)
     return extended
