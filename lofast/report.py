@@ -41,6 +41,17 @@ class SampleRecord:
     # What the verdicts depend on (checkpoint and data digests, bound, guarantee, fallback):
     # a resumed run must match it, so that one file never mixes two runs' certificates.
     run: dict[str, Any] = field(default_factory=dict)
+    # With --attack: whether an adversarial example was found at eps (never where certified),
+    # and for each found one {"norm": its l2 norm, "class": the class predicted there, "file":
+    # where it was saved or None}. Empty where no attack ran.
+    falsified: dict[str, bool] = field(default_factory=dict)
+    counterexamples: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def verdict(self, key: str) -> str:
+        """"certified", "falsified" or "unknown" at eps key (VNN-COMP's three verdicts)."""
+        if self.verdicts[key]:
+            return "certified"
+        return "falsified" if self.falsified.get(key) else "unknown"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), allow_nan=False)
@@ -50,13 +61,14 @@ class SampleRecord:
 # starts so is one torn by an interrupt; anything else is not a record file of ours.
 RECORD_START = b'{"index": '
 
-# Field -> accepted JSON types, checked when records are read back for --resume.
+# Field -> accepted JSON types, checked when records are read back (--resume, lofast report).
 RECORD_FIELDS: dict[str, tuple[type, ...]] = {
     "index": (int,), "label": (int,), "prediction": (int,), "margin": (int, float),
     "radius": (int, float), "verdicts": (dict,), "bounds": (dict,), "verifiers": (dict,),
     "reasons": (dict,), "rule": (str,), "seconds": (int, float), "fallback_seconds": (dict,),
     "run": (dict,),
 }
+OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"falsified": (dict,), "counterexamples": (dict,)}
 
 
 def _lock(handle) -> bool:
@@ -134,9 +146,12 @@ class RecordWriter:
 def record_from_json(values: Any) -> SampleRecord:
     """A SampleRecord from one decoded JSON line; ValueError where a field is missing, unknown
     or of the wrong type."""
-    if not isinstance(values, dict) or set(values) != set(RECORD_FIELDS):
+    if not isinstance(values, dict) or not (
+            set(RECORD_FIELDS) <= set(values) <= set(RECORD_FIELDS) | set(OPTIONAL_FIELDS)):
         raise ValueError("not a record")
-    for name, types in RECORD_FIELDS.items():
+    for name, types in {**RECORD_FIELDS, **OPTIONAL_FIELDS}.items():
+        if name not in values:
+            continue
         # bool is an int to Python, never a number to us
         if not isinstance(values[name], types) or isinstance(values[name], bool):
             raise ValueError(f"field {name} has the wrong type")  # noqa: TRY004 - one error kind
@@ -145,27 +160,31 @@ def record_from_json(values: Any) -> SampleRecord:
     return SampleRecord(**values)
 
 
-def parse_records(content: bytes, path: Path, eps: Sequence[float],
-                  run: dict[str, Any]) -> tuple[dict[int, SampleRecord], int]:
+def parse_records(content: bytes, path: Path, eps: Sequence[float] | None = None,
+                  run: dict[str, Any] | None = None) -> tuple[dict[int, SampleRecord], int]:
     """Records of a JSONL file's bytes by index, and the length of its valid part (all but a
-    torn final line). A file that is not ours, or was made for other eps values or other run
-    settings, is refused with LofastError."""
+    torn final line). A file that is not ours, or whose records were made for other eps values
+    or other run settings than given (or, where none are given, than its first record's), is
+    refused with LofastError."""
     records: dict[int, SampleRecord] = {}
-    keys = {eps_key(e) for e in eps}
+    keys = None if eps is None else {eps_key(e) for e in eps}
     lines = content.split(b"\n")
     valid = 0
     for number, line in enumerate(lines[:-1], 1):
         try:
             record = record_from_json(json.loads(line.decode("utf-8")))
         except (UnicodeDecodeError, ValueError):
-            raise LofastError(f"{path}:{number}: not a lofast record; --resume continues only a "
-                              "file that lofast certify wrote") from None
+            raise LofastError(f"{path}:{number}: not a lofast record (a file lofast certify "
+                              "--out writes)") from None
+        keys = set(record.verdicts) if keys is None else keys
+        run = record.run if run is None else run
         if set(record.verdicts) != keys:
-            raise LofastError(f"{path}: was written for eps {sorted(record.verdicts)}; "
-                              "resume with the same --eps values")
-        if record.run != run:
-            changed = [k for k in sorted(set(record.run) | set(run))
-                       if record.run.get(k) != run.get(k)]
+            raise LofastError(f"{path}: was written for eps {sorted(record.verdicts)}, not "
+                              f"{sorted(keys)}; resume with the same --eps values")
+        # a setting a record lacks is one it was made without (None), as the run may say
+        changed = [k for k in sorted(set(record.run) | set(run))
+                   if record.run.get(k) != run.get(k)]
+        if changed:
             detail = ", ".join(f"{k} {record.run.get(k)} (now {run.get(k)})" for k in changed)
             raise LofastError(f"{path}: was written with other settings: {detail}; resume with "
                               "the same settings or choose another --out")
@@ -176,6 +195,19 @@ def parse_records(content: bytes, path: Path, eps: Sequence[float],
         raise LofastError(f"{path}: not a lofast record file (its last line is not a record); "
                           "--resume continues only a file that lofast certify wrote")
     return records, valid
+
+
+def read_run(path: Path) -> list[SampleRecord]:
+    """The records of one `lofast certify --out` file, in file order (a torn last line left by
+    an interrupt is skipped); LofastError for a missing or foreign file."""
+    try:
+        content = Path(path).read_bytes()
+    except OSError as e:
+        raise LofastError(f"cannot read {path}: {e.strerror or e}") from None
+    records, _ = parse_records(content, Path(path))
+    if not records:
+        raise LofastError(f"{path}: holds no records")
+    return list(records.values())
 
 
 @dataclass
@@ -193,6 +225,10 @@ class Summary:
     kappa: float
     device: str
     stage_seconds: dict[str, float] = field(default_factory=dict)  # stage -> seconds/sample
+    # With --attack, per eps: share of samples with a counterexample, and share with neither a
+    # certificate nor a counterexample. 1 - falsified bounds robust accuracy from above.
+    falsified: dict[str, float] = field(default_factory=dict)
+    unknown: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -211,6 +247,14 @@ def summarize(records: Sequence[SampleRecord], eps: Sequence[float], total_secon
             if r.verifiers.get(key):
                 counts[r.verifiers[key]] = counts.get(r.verifiers[key], 0) + 1
         certified_by[key] = counts
+    falsified: dict[str, float] = {}
+    unknown: dict[str, float] = {}
+    if n and any(r.falsified for r in records):
+        for e in eps:
+            key = eps_key(e)
+            verdicts = [r.verdict(key) for r in records]
+            falsified[key] = verdicts.count("falsified") / n
+            unknown[key] = verdicts.count("unknown") / n
     radii = [r.radius for r in records]
     fallback = sum(sum(r.fallback_seconds.values()) for r in records)
     lofast = sum(r.seconds for r in records) - fallback
@@ -231,28 +275,46 @@ def summarize(records: Sequence[SampleRecord], eps: Sequence[float], total_secon
         kappa=kappa,
         device=device,
         stage_seconds=stage_seconds,
+        falsified=falsified,
+        unknown=unknown,
     )
 
 
-def summary_table(summary: Summary) -> Table:
-    table = Table(title="lofast certification", show_header=True, header_style="bold")
-    table.add_column("quantity")
-    table.add_column("value", justify="right")
-    table.add_row("samples", str(summary.samples))
-    table.add_row("clean accuracy", f"{summary.clean_accuracy:.2%}")
+def summary_rows(summary: Summary) -> dict[str, str]:
+    """The summary as (quantity -> formatted value), in display order."""
+    rows = {"samples": str(summary.samples), "clean accuracy": f"{summary.clean_accuracy:.2%}"}
     for key, value in summary.certified_accuracy.items():
         by = summary.certified_by.get(key, {})
         detail = ", ".join(f"{v}: {c}" for v, c in sorted(by.items()))
-        table.add_row(f"certified accuracy @ eps={key}",
-                      f"{value:.2%}" + (f"  ({detail})" if len(by) > 1 else ""))
-    table.add_row("median / mean certified radius",
-                  f"{summary.median_radius:.4f} / {summary.mean_radius:.4f}")
-    table.add_row("time per sample", f"{summary.mean_ms_per_sample:.2f} ms")
+        shown = f"{float(key):.6g}"  # the key is exact (JSON); six digits read better
+        rows[f"certified accuracy @ eps={shown}"] = (f"{value:.2%}"
+                                                     + (f"  ({detail})" if len(by) > 1 else ""))
+        if key in summary.falsified:
+            rows[f"  falsified / unknown @ eps={shown}"] = (f"{summary.falsified[key]:.2%} / "
+                                                            f"{summary.unknown[key]:.2%}")
+    rows["median / mean certified radius"] = (f"{summary.median_radius:.4f} / "
+                                              f"{summary.mean_radius:.4f}")
+    rows["time per sample"] = f"{summary.mean_ms_per_sample:.2f} ms"
     for stage, seconds in summary.stage_seconds.items():
         if len(summary.stage_seconds) > 1:
-            table.add_row(f"  of which {stage}", f"{1e3 * seconds:.2f} ms")
-    table.add_row("total time", f"{summary.total_seconds:.2f} s")
-    table.add_row("bound", f"{summary.bound} (kappa={summary.kappa:g})")
-    table.add_row("guarantee", summary.guarantee)
-    table.add_row("device", summary.device)
+            rows[f"  of which {stage}"] = f"{1e3 * seconds:.2f} ms"
+    rows["total time"] = f"{summary.total_seconds:.2f} s"
+    rows["bound"] = f"{summary.bound} (kappa={summary.kappa:g})"
+    rows["guarantee"] = summary.guarantee
+    rows["device"] = summary.device
+    return rows
+
+
+def summary_table(*summaries: Summary, names: Sequence[str] | None = None) -> Table:
+    """One summary as a two-column table, or several side by side (one column per run, named
+    by `names`; a quantity a run lacks shows as -)."""
+    table = Table(title="lofast certification", show_header=True, header_style="bold")
+    table.add_column("quantity")
+    names = names or ["value"] * len(summaries)
+    rows = [summary_rows(s) for s in summaries]
+    labels = list(dict.fromkeys(label for r in rows for label in r))
+    for name in names:
+        table.add_column(name, justify="right")
+    for label in labels:
+        table.add_row(label, *(r.get(label, "-") for r in rows))
     return table

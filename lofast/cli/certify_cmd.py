@@ -78,13 +78,26 @@ class PositiveFloat(click.ParamType):
               help="Run (alpha-)CROWN from auto_LiRPA on the samples LoFAST leaves uncertified.")
 @click.option("--fallback-timeout", type=PositiveFloat(), default=None,
               help="Seconds the fallback may spend on one sample.")
+@click.option("--attack", is_flag=True,
+              help="Run l2 PGD on the samples no verifier certified: a sample with an "
+                   "adversarial example is falsified, the rest unknown (the summary shows "
+                   "certified / falsified / unknown per eps).")
+@click.option("--attack-steps", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--attack-restarts", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--attack-box/--no-attack-box", default=True, show_default=True,
+              help="Keep adversarial images in the pixel box [0, 1] (the certificate holds "
+                   "on the whole l2 ball either way).")
+@click.option("--save-adversarial", type=click.Path(path_type=Path, file_okay=False),
+              default=None, help="With --attack: write each counterexample to this folder "
+                                 "(.npz: image, perturbation, label, class, eps).")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Write one JSON record per sample (JSONL) as the run goes.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from --out.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size, device,
-            bound, softmax_jacobian, kappa, guarantee, fallback, fallback_timeout, seed, out,
+            bound, softmax_jacobian, kappa, guarantee, fallback, fallback_timeout, attack,
+            attack_steps, attack_restarts, attack_box, save_adversarial, seed, out,
             resume, as_json) -> None:
     """Certify l2 robustness of every sample with the LoFAST bound."""
     import torch
@@ -110,11 +123,16 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
     from lofast.data import load_dataset
     from lofast.data.sample import class_balanced_order, load_bundled_sample
     from lofast.errors import LofastError
+    from lofast.pipeline import AttackSettings, run_attack, run_fallback
     from lofast.report import RecordWriter, SampleRecord, eps_key, summarize, summary_table
     from lofast.train import resolve_device
 
     if resume and out is None:
         raise LofastError("--resume needs --out, the file to continue")
+    if save_adversarial is not None and not attack:
+        raise LofastError("--save-adversarial needs --attack")
+    attack_settings = AttackSettings(steps=attack_steps, restarts=attack_restarts,
+                                     box=attack_box, seed=seed, save_dir=save_adversarial)
     dev = resolve_device(device)
     batch_size = batch_size or default_batch_size(dev)
     if fallback != "none":
@@ -139,7 +157,8 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
     certifier = Certifier(model, settings, dev)
     run = {"checkpoint": file_digest(checkpoint)[:16], "data": f"{data.digest()[:16]} ({split})",
            "bound": settings.describe(), "kappa": float(kappa), "guarantee": guarantee,
-           "fallback": fallback, "fallback_timeout": fallback_timeout, "seed": seed}
+           "fallback": fallback, "fallback_timeout": fallback_timeout, "seed": seed,
+           "attack": attack_settings.describe() if attack else None}
     writer = RecordWriter(out, resume, eps, run)
     todo = [int(i) for i in order if int(i) not in writer.done]
     # a file resumed with a smaller --n holds records outside this run's samples: not counted
@@ -178,6 +197,8 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
                     for b, i in enumerate(index)]
                 if fallback != "none":
                     run_fallback(model, x, batch_records, eps, fallback, fallback_timeout)
+                if attack:
+                    run_attack(model, x, batch_records, eps, attack_settings)
                 writer.write(batch_records)
                 records.extend(batch_records)
                 rate = f"{1e3 * per_sample:.2f} ms/sample"
@@ -194,38 +215,3 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
         click.echo(json.dumps(summary.to_dict(), indent=2))
     else:
         stdout.print(summary_table(summary))
-
-
-def run_fallback(model, images, records, eps, method, timeout) -> None:
-    """Try (alpha-)CROWN at each eps, smallest first, on the correctly classified samples that
-    LoFAST left uncertified there; a sample the fallback fails at one eps is not tried at larger
-    ones (reported with that reason). Updates the records in place."""
-    import torch
-
-    from lofast.crown import crown_verify
-    from lofast.report import eps_key
-
-    failed: dict[int, str] = {}
-    for e in eps:
-        key = eps_key(e)
-        todo = [b for b, r in enumerate(records)
-                if not r.verdicts[key] and r.prediction == r.label and b not in failed]
-        for b, r in enumerate(records):
-            if not r.verdicts[key]:
-                r.reasons[key] = ("misclassified" if r.prediction != r.label
-                                  else failed.get(b, "LoFAST bound too loose"))
-        if not todo:
-            continue
-        labels = torch.tensor([records[b].label for b in todo])
-        results = crown_verify(model, images[todo], labels, e, method=method, timeout=timeout)
-        for b, result in zip(todo, results):
-            record = records[b]
-            record.fallback_seconds[key] = result.seconds
-            record.seconds += result.seconds
-            if result.certified:
-                record.verdicts[key] = True
-                record.verifiers[key] = method
-                record.reasons.pop(key, None)
-            else:
-                failed[b] = f"{method}: {result.reason or 'not certified'} at eps={key}"
-                record.reasons[key] = failed[b]

@@ -58,11 +58,12 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from lofast.cli import certify_cmd, info_cmd, train_cmd
+    from lofast.cli import certify_cmd, info_cmd, report_cmd, train_cmd
 
     cli.add_command(train_cmd.train)
     cli.add_command(certify_cmd.certify)
     cli.add_command(info_cmd.info)
+    cli.add_command(report_cmd.report)
 
 
 _register()

@@ -1,0 +1,43 @@
+"""`lofast report`: summaries of saved runs (no recomputation), side by side, and their plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+stdout = Console(highlight=False)
+
+
+@click.command()
+@click.argument("runs", nargs=-1, required=True,
+                type=click.Path(path_type=Path, dir_okay=False, exists=True))
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path, dir_okay=False),
+              default=None, help="Write the robustness curve (certified accuracy against eps, "
+                                 "and the falsified upper bound where --attack ran) as a PNG.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON on stdout.")
+def report(runs, plot_path, as_json) -> None:
+    """Summarise RUNS (files written by `lofast certify --out`), side by side."""
+    from lofast.report import read_run, summarize, summary_table
+
+    loaded = {str(path): read_run(path) for path in runs}
+    summaries = {}
+    for name, records in loaded.items():
+        run = records[0].run
+        eps = sorted(float(k) for k in records[0].verdicts)
+        summaries[name] = summarize(records, eps, sum(r.seconds for r in records),
+                                    run.get("guarantee", "-"), run.get("bound", "-"),
+                                    run.get("kappa", float("nan")), "-")
+    if plot_path is not None:
+        from lofast.plot import robustness_plot
+
+        robustness_plot({Path(name).stem: records for name, records in loaded.items()},
+                        plot_path)
+    if as_json:
+        click.echo(json.dumps({name: s.to_dict() for name, s in summaries.items()}, indent=2))
+    else:
+        stdout.print(summary_table(*summaries.values(), names=[Path(n).name for n in summaries]))
+    if plot_path is not None:
+        Console(stderr=True, highlight=False).print(f"wrote {plot_path}")

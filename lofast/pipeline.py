@@ -1,0 +1,119 @@
+"""What runs after LoFAST on the samples it leaves open: the (alpha-)CROWN fallback and the
+PGD falsifier. Both update the per-sample records in place, eps by eps."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from lofast.errors import CertificationError, LofastError
+from lofast.report import SampleRecord, eps_key
+
+
+def run_fallback(model: nn.Module, images: Tensor, records: Sequence[SampleRecord],
+                 eps: Sequence[float], method: str, timeout: float | None) -> None:
+    """Try (alpha-)CROWN at each eps, smallest first, on the correctly classified samples that
+    LoFAST left uncertified there; a sample the fallback fails at one eps is not tried at larger
+    ones (reported with that reason)."""
+    from lofast.crown import crown_verify
+
+    failed: dict[int, str] = {}
+    for e in eps:
+        key = eps_key(e)
+        todo = [b for b, r in enumerate(records)
+                if not r.verdicts[key] and r.prediction == r.label and b not in failed]
+        for b, r in enumerate(records):
+            if not r.verdicts[key]:
+                r.reasons[key] = ("misclassified" if r.prediction != r.label
+                                  else failed.get(b, "LoFAST bound too loose"))
+        if not todo:
+            continue
+        labels = torch.tensor([records[b].label for b in todo])
+        results = crown_verify(model, images[todo], labels, e, method=method, timeout=timeout)
+        for b, result in zip(todo, results):
+            record = records[b]
+            record.fallback_seconds[key] = result.seconds
+            record.seconds += result.seconds
+            if result.certified:
+                record.verdicts[key] = True
+                record.verifiers[key] = method
+                record.reasons.pop(key, None)
+            else:
+                failed[b] = f"{method}: {result.reason or 'not certified'} at eps={key}"
+                record.reasons[key] = failed[b]
+
+
+@dataclass(frozen=True)
+class AttackSettings:
+    """l2 PGD on the samples no verifier certified (see ``lofast.attack.pgd_attack``)."""
+
+    steps: int = 100
+    restarts: int = 5
+    box: bool = True  # keep adversarial images in the pixel box [0, 1]
+    seed: int = 0
+    save_dir: Path | None = None  # write every counterexample found there as .npz
+
+    def describe(self) -> dict:
+        """The settings a record's verdicts depend on (for --resume)."""
+        return {"steps": self.steps, "restarts": self.restarts, "box": self.box,
+                "seed": self.seed}
+
+
+def run_attack(model: nn.Module, images: Tensor, records: Sequence[SampleRecord],
+               eps: Sequence[float], settings: AttackSettings) -> None:
+    """Mark each open sample falsified at each eps where a counterexample is found: a
+    misclassified sample is its own (norm 0); a correctly classified, uncertified one is
+    attacked with PGD at eps (smallest eps first; a counterexample found at one eps serves every
+    larger one). Certified samples are never attacked; images (B, C, H, W) in [0, 1] in the
+    records' order. A counterexample is re-checked in float64 before it is reported, and one
+    found for a certified sample raises CertificationError (the certificate would be broken)."""
+    from lofast.attack import pgd_attack
+
+    model64 = copy.deepcopy(model).double().eval()  # the caller's model keeps its precision
+    x = images.double()
+    found: dict[int, tuple[Tensor, int]] = {}  # sample -> (perturbation, adversarial class)
+    for b, r in enumerate(records):
+        if r.prediction != r.label:
+            found[b] = (torch.zeros_like(x[b]), r.prediction)
+    for e in eps:
+        key = eps_key(e)
+        todo = [b for b, r in enumerate(records) if not r.verdicts[key] and b not in found]
+        if todo:
+            labels = torch.tensor([records[b].label for b in todo])
+            result = pgd_attack(model64, x[todo], labels, e, steps=settings.steps,
+                                restarts=settings.restarts, seed=settings.seed, box=settings.box)
+            for i, b in enumerate(todo):
+                if result.found[i]:
+                    found[b] = (result.perturbation[i], int(result.adversarial_class[i]))
+        for b, record in enumerate(records):
+            falsified = b in found and float(found[b][0].norm()) <= e
+            if falsified and record.verdicts[key]:
+                raise CertificationError(f"sample {record.index} is certified at eps={key} and "
+                                         "has a counterexample: the certificate is unsound")
+            record.falsified[key] = falsified
+            if falsified:
+                record.counterexamples[key] = _describe(found[b], x[b], record, key,
+                                                        settings.save_dir)
+
+
+def _describe(counterexample: tuple[Tensor, int], image: Tensor, record: SampleRecord, key: str,
+              save_dir: Path | None) -> dict:
+    perturbation, adversarial_class = counterexample
+    file = None
+    if save_dir is not None:
+        path = Path(save_dir) / f"{record.index}-eps{key}.npz"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(path, image=(image + perturbation).cpu().numpy(),
+                     perturbation=perturbation.cpu().numpy(), label=record.label,
+                     adversarial_class=adversarial_class, eps=float(key))
+        except OSError as e:
+            raise LofastError(f"cannot write {path}: {e.strerror or e}") from None
+        file = str(path)
+    return {"norm": float(perturbation.norm()), "class": adversarial_class, "file": file}

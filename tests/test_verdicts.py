@@ -1,0 +1,151 @@
+"""Three verdicts (certified / falsified / unknown) and reports of saved runs."""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from helpers import train_tiny, write_image_folder
+from PIL import Image
+
+from lofast.attack import pgd_attack
+from lofast.checkpoint import load_checkpoint, save_checkpoint
+from lofast.cli.main import cli
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return train_tiny()
+
+
+def test_falsifier_finds_a_planted_counterexample(trained):
+    """Walk from an image of one predicted class towards one of another, stop just before the
+    decision boundary: a counterexample lies within a known distance, and PGD must find it."""
+    model, x, y = trained
+    model = copy.deepcopy(model).double()
+    x = x.double()
+    predicted = model(x).argmax(dim=1)
+    a = int(torch.nonzero(predicted == y)[0])
+    b = int(torch.nonzero(predicted != predicted[a])[0])
+    low, high = 0.0, 1.0  # fraction of the way from x[a] to x[b]: low keeps a's class
+    for _ in range(50):
+        mid = (low + high) / 2
+        same = model((x[a] + mid * (x[b] - x[a]))[None]).argmax() == predicted[a]
+        low, high = (mid, high) if same else (low, mid)
+    start = x[a] + low * (x[b] - x[a])
+    beyond = x[a] + high * (x[b] - x[a])
+    eps = 2.0 * float((beyond - start).norm()) + 1e-6
+    label = predicted[a:a + 1]
+    result = pgd_attack(model, start[None], label, eps, steps=50, restarts=1)
+    assert bool(result.found[0])
+    assert float(result.norm[0]) <= eps * (1 + 1e-9)
+    adversarial = start + result.perturbation[0]
+    assert adversarial.min() >= 0 and adversarial.max() <= 1  # in the pixel box
+    assert int(model(adversarial[None]).argmax()) == int(result.adversarial_class[0]) != label
+
+
+def test_nothing_is_found_where_nothing_exists(trained):
+    model, x, y = trained
+    model = copy.deepcopy(model).double()
+    result = pgd_attack(model, x[:8].double(), y[:8], 1e-6, steps=10, restarts=1)
+    correct = model(x[:8].double()).argmax(dim=1) == y[:8]
+    assert not result.found[correct].any()
+    assert torch.equal(result.adversarial_class[~result.found],
+                       torch.full_like(result.adversarial_class[~result.found], -1))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("folder")
+    write_image_folder(root, 8, 0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from lofast.config import preset
+    from lofast.models.vit import create_model
+
+    path = tmp_path_factory.mktemp("ckpt") / "tiny.safetensors"
+    save_checkpoint(path, create_model(preset("tiny", num_classes=4), seed=0),
+                    {"dataset": "folder", "classes": [f"class{c}" for c in range(4)]})
+    return path
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("LOFAST_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def certify(checkpoint, data_dir, out, *extra):
+    result = CliRunner().invoke(cli, [
+        "certify", "--checkpoint", str(checkpoint), "--data", str(data_dir), "--device", "cpu",
+        "--eps", "0.02", "--eps", "0.5", "--n", "16", "--json", "--out", str(out), *extra])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_attack_gives_three_verdicts(checkpoint, data_dir, tmp_path):
+    saved = tmp_path / "adversarial"
+    summary = certify(checkpoint, data_dir, tmp_path / "r.jsonl", "--attack", "--attack-steps",
+                      "20", "--attack-restarts", "1", "--save-adversarial", str(saved))
+    records = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    model = load_checkpoint(checkpoint).double()
+    for key in ("0.02", "0.5"):
+        certified = summary["certified_accuracy"][key]
+        assert certified + summary["falsified"][key] + summary["unknown"][key] == \
+            pytest.approx(1.0)
+        for r in records:
+            assert not (r["verdicts"][key] and r["falsified"][key])
+            if r["prediction"] != r["label"]:  # its own counterexample
+                assert r["falsified"][key] and r["counterexamples"][key]["norm"] == 0
+            if r["falsified"][key]:
+                found = r["counterexamples"][key]
+                assert found["norm"] <= float(key)
+                with np.load(found["file"]) as npz:
+                    image = torch.from_numpy(npz["image"])[None]
+                assert int(model(image).argmax()) == found["class"] != r["label"]
+    assert summary["falsified"]["0.5"] >= summary["falsified"]["0.02"] > 0
+    assert len(list(saved.glob("*.npz"))) == sum(len(r["counterexamples"]) for r in records)
+
+
+def test_save_adversarial_needs_attack(checkpoint, data_dir, tmp_path):
+    result = CliRunner().invoke(cli, ["certify", "--checkpoint", str(checkpoint), "--data",
+                                      str(data_dir), "--eps", "0.1", "--save-adversarial",
+                                      str(tmp_path / "a")])
+    assert result.exit_code == 1 and "--attack" in result.output
+
+
+def test_report_summarises_compares_and_plots_saved_runs(checkpoint, data_dir, tmp_path):
+    lofast_run = certify(checkpoint, data_dir, tmp_path / "lofast.jsonl", "--attack",
+                         "--attack-steps", "10", "--attack-restarts", "1")
+    naive_run = certify(checkpoint, data_dir, tmp_path / "naive.jsonl", "--bound", "naive")
+    runner = CliRunner()
+    plot = tmp_path / "curve.png"
+    shown = runner.invoke(cli, ["report", str(tmp_path / "lofast.jsonl"),
+                                str(tmp_path / "naive.jsonl"), "--plot", str(plot)])
+    assert shown.exit_code == 0, shown.output
+    assert "lofast.jsonl" in shown.output and "naive.jsonl" in shown.output
+    assert "falsified / unknown" in shown.output
+    with Image.open(plot) as image:
+        image.verify()
+    with Image.open(plot) as image:
+        assert image.format == "PNG" and image.size == (800, 500)
+        assert len(set(np.asarray(image.convert("L")).ravel().tolist())) > 10  # not blank
+    as_json = json.loads(runner.invoke(cli, ["report", str(tmp_path / "lofast.jsonl"),
+                                             str(tmp_path / "naive.jsonl"), "--json"]).stdout)
+    saved = as_json[str(tmp_path / "lofast.jsonl")]
+    for key in ("clean_accuracy", "certified_accuracy", "falsified", "unknown", "mean_radius"):
+        assert saved[key] == lofast_run[key]
+    assert as_json[str(tmp_path / "naive.jsonl")]["certified_accuracy"] == \
+        naive_run["certified_accuracy"]
+
+
+def test_report_refuses_a_foreign_file(tmp_path):
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text("hello\n")
+    result = CliRunner().invoke(cli, ["report", str(notes)])
+    assert result.exit_code == 1 and "not a lofast record" in result.output
+    assert "Traceback" not in result.output
