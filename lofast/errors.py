@@ -15,3 +15,8 @@ class CheckpointError(LofastError):
 
 class CertificationError(LofastError):
     """A model or input that cannot be certified as asked (NaN input, unsupported structure...)."""
+
+
+class TimeLimitReached(Exception):
+    """Training stopped at its --time-limit with its state saved; --resume continues it. Not a
+    LofastError: nothing is wrong, and the command exits with its own code."""

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from lofast.checkpoint import atomic_write
 from lofast.config import TrainConfig
-from lofast.errors import LofastError
+from lofast.errors import LofastError, TimeLimitReached
 from lofast.models.vit import LipschitzViT
 from lofast.training_bound import TrainingBound
 
@@ -154,8 +154,13 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
           test_images: np.ndarray, test_labels: np.ndarray, config: TrainConfig,
           device: torch.device, state_path: Path | None = None, resume: bool = False,
           plan: dict | None = None, on_step: Callable[[StepStats], None] | None = None,
-          on_epoch: Callable[[EpochStats], None] | None = None) -> list[EpochStats]:
+          on_epoch: Callable[[EpochStats], None] | None = None,
+          deadline: float | None = None) -> list[EpochStats]:
     """Train in place; after every epoch the full state is written atomically to state_path.
+
+    With a deadline (a time.monotonic() value), training stops at the first step boundary
+    after it, writes the state there (mid-epoch included) and raises TimeLimitReached; a
+    resume continues from that step exactly as if nothing had stopped it.
 
     With resume=True and an existing state file, training continues after the last finished
     epoch with the same optimizer, schedule and random streams, so an interrupted run ends
@@ -175,6 +180,7 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
     history: list[EpochStats] = []
     start_epoch = 0
     state = None
+    partial = None  # where a run stopped inside an epoch: its order, next step and sums
     if resume and state_path is not None and state_path.is_file():
         state = load_training_state(state_path)
         if state["train_config"] != asdict(config):
@@ -197,6 +203,7 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
         generator.set_state(state["generator"])
         start_epoch = state["epoch"]
         history = [EpochStats(**h) for h in state["history"]]
+        partial = state.get("partial")
     bound = TrainingBound(config.power_iterations, softmax_jacobian=config.softmax_jacobian,
                           generator=generator) \
         if config.loss == "certified" else None
@@ -208,10 +215,15 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
     labels_all = torch.as_tensor(train_labels).to(device)
     for epoch in range(start_epoch, config.epochs):
         model.train()
-        started = time.perf_counter()
-        order = torch.randperm(len(train_labels), generator=generator)
-        loss_sum, correct, seen = 0.0, 0, 0
-        for step in range(steps_per_epoch):
+        if partial is None:
+            order = torch.randperm(len(train_labels), generator=generator)
+            first_step, loss_sum, correct, seen, before = 0, 0.0, 0, 0, 0.0
+        else:
+            order, first_step = partial["order"], partial["step"]
+            loss_sum, correct, seen = partial["loss_sum"], partial["correct"], partial["seen"]
+            before, partial = partial["seconds"], None
+        started = time.perf_counter() - before
+        for step in range(first_step, steps_per_epoch):
             index = order[step * config.batch_size:(step + 1) * config.batch_size]
             index = index.to(device)
             x = images_all[index].permute(0, 3, 1, 2).float().div_(255.0)
@@ -235,6 +247,15 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
             if on_step is not None:
                 on_step(StepStats(epoch + 1, step + 1, steps_per_epoch, loss_sum / seen,
                                   correct / seen, seen / (time.perf_counter() - started)))
+            if (deadline is not None and time.monotonic() >= deadline
+                    and step + 1 < steps_per_epoch):
+                stopped = {"order": order, "step": step + 1, "loss_sum": loss_sum,
+                           "correct": correct, "seen": seen,
+                           "seconds": time.perf_counter() - started}
+                if state_path is not None:
+                    save_training_state(state_path, model, optimizer, scheduler, generator,
+                                        epoch, config, history, bound, plan, stopped)
+                raise TimeLimitReached(f"epoch {epoch + 1}, step {step + 1}/{steps_per_epoch}")
         seconds = time.perf_counter() - started
         stats = EpochStats(epoch + 1, config.epochs, loss_sum / seen, correct / seen,
                            evaluate(model, test_images, test_labels, device),
@@ -248,6 +269,8 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
                                 config, history, bound, plan)
         if on_epoch is not None:
             on_epoch(stats)
+        if deadline is not None and time.monotonic() >= deadline and epoch + 1 < config.epochs:
+            raise TimeLimitReached(f"epoch {epoch + 1} of {config.epochs}")
     model.eval()
     return history
 
@@ -256,9 +279,12 @@ def save_training_state(path: Path, model: LipschitzViT, optimizer: torch.optim.
                         scheduler: torch.optim.lr_scheduler.LRScheduler,
                         generator: torch.Generator, epoch: int, config: TrainConfig,
                         history: list[EpochStats], bound: TrainingBound | None = None,
-                        plan: dict | None = None) -> None:
+                        plan: dict | None = None, partial: dict | None = None) -> None:
+    """`epoch` counts finished epochs; `partial` is the position inside the next one where a
+    time limit stopped it (None at an epoch's end)."""
     state = {
         "plan": plan or {},
+        "partial": partial,
         "bound": bound.state() if bound is not None else {},
         "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "optimizer": optimizer.state_dict(),

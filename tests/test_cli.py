@@ -411,3 +411,29 @@ def test_fallback_without_auto_lirpa_is_one_clear_line(checkpoint, data_dir, mon
                                       str(data_dir), "--eps", "0.1", "--fallback", "crown"])
     assert result.exit_code == 1 and "auto_LiRPA" in result.output
     assert "pip install" in result.output and "Traceback" not in result.output
+
+
+def test_time_limit_stops_mid_epoch_and_resume_is_bit_identical(data_dir, tmp_path):
+    """A run cut by --time-limit after every single step (12 calls for 2 epochs of 6 steps)
+    ends with the very weights of an uninterrupted run: certified loss, augmentation."""
+    from safetensors.torch import load_file
+
+    args = ["train", "--dataset", "folder", "--data", str(data_dir), "--preset", "tiny",
+            "--batch-size", "16", "--device", "cpu", "--epochs", "2", "--loss", "certified",
+            "--train-eps", "0.1"]
+    runner = CliRunner()
+    straight = tmp_path / "a.safetensors"
+    assert runner.invoke(cli, args + ["--out", str(straight)]).exit_code == 0
+    cut = tmp_path / "b.safetensors"
+    calls, result = 0, None
+    while result is None or result.exit_code == 75:
+        resume = ["--resume"] if calls else []
+        result = runner.invoke(cli, args + ["--out", str(cut), "--time-limit", "1e-6", *resume])
+        calls += 1
+        assert calls <= 13, result.output
+    assert result.exit_code == 0, result.output
+    assert calls == 12  # one step per call: the state was saved inside the epochs
+    a, b = load_file(str(straight)), load_file(str(cut))
+    assert all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
+    assert read_metadata(cut)["history"][-1]["train_loss"] == \
+        read_metadata(straight)["history"][-1]["train_loss"]

@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import click
 from rich.console import Console
 
 console = Console(stderr=True, highlight=False)
+
+# Exit code of a run stopped by --time-limit (EX_TEMPFAIL): not done, nothing wrong, resumable.
+EXIT_TIME_LIMIT = 75
 
 
 def parse_model_options(options: tuple[str, ...]) -> dict:
@@ -90,13 +94,18 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
               help="Checkpoint to write (.safetensors).")
 @click.option("--resume", is_flag=True,
               help="Continue from OUT.state.pt if an earlier run was interrupted.")
+@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="SECONDS",
+              help="Stop at the first step after SECONDS (counted from the start), with the "
+                   "state saved mid-epoch, and exit with code 75; --resume continues exactly "
+                   "where it stopped. Leave room for one step and one state write.")
 @click.option("--overwrite", is_flag=True,
               help="Replace an existing OUT (without it, train never overwrites a file it did "
                    "not write in this run or the run it resumes).")
 def train(dataset, data_path, download, preset, model_options, init_path, epochs, batch_size, lr,
           weight_decay, warmup_epochs, schedule, loss, margin, train_eps, eps_ramp_epochs,
           clean_mix, power_iterations, softmax_jacobian, temperature, augment, seed, device, amp,
-          limit, out, resume, overwrite) -> None:
+          limit, out, resume, time_limit, overwrite) -> None:
     """Train a Lipschitz ViT on a data set and save it as a checkpoint."""
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -107,11 +116,12 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
     from lofast.config import preset as make_preset
     from lofast.data import load_dataset
     from lofast.data.sample import class_balanced_order
-    from lofast.errors import LofastError
+    from lofast.errors import LofastError, TimeLimitReached
     from lofast.models.vit import INIT_OPTIONS, create_model, with_options
     from lofast.train import resolve_device
     from lofast.train import train as run_training
 
+    deadline = None if time_limit is None else time.monotonic() + time_limit
     ctx = click.get_current_context()
     state_path = out.with_name(out.name + ".state.pt")
     resuming = resume and state_path.is_file()
@@ -179,9 +189,15 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
                 f"{s.train_accuracy:.2%}, test acc {s.test_accuracy:.2%}, "
                 f"{s.images_per_second:.0f} img/s, {s.seconds:.1f} s")
 
-        history = run_training(model, train_set.images, train_set.labels, test_set.images,
-                               test_set.labels, config, dev, state_path=state_path,
-                               resume=resume, plan=plan, on_step=on_step, on_epoch=on_epoch)
+        try:
+            history = run_training(model, train_set.images, train_set.labels, test_set.images,
+                                   test_set.labels, config, dev, state_path=state_path,
+                                   resume=resume, plan=plan, on_step=on_step,
+                                   on_epoch=on_epoch, deadline=deadline)
+        except TimeLimitReached as stop:
+            progress.console.print(f"time limit reached after {stop}: state saved in "
+                                   f"{state_path}; rerun with --resume to continue")
+            sys.exit(EXIT_TIME_LIMIT)
     final = history[-1]
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in ctx.params.items()}
     if init_path is not None:
