@@ -210,6 +210,30 @@ def read_run(path: Path) -> list[SampleRecord]:
     return list(records.values())
 
 
+def write_records(path: Path, records: Iterable[SampleRecord]) -> None:
+    """Write records as one JSONL file, atomically (a temporary file renamed into place)."""
+    from lofast.checkpoint import atomic_write
+
+    lines = "".join(record.to_json() + "\n" for record in records)
+    atomic_write(Path(path), lambda tmp: Path(tmp).write_text(lines, encoding="utf-8"))
+
+
+def merge_runs(runs: Sequence[Sequence[SampleRecord]]) -> list[SampleRecord]:
+    """The records of several parts of one run (shards), by sample index; refused where the
+    parts were made with other eps values or settings, or disagree on a sample."""
+    merged: dict[int, SampleRecord] = {}
+    first = runs[0][0] if runs and runs[0] else None
+    for records in runs:
+        for record in records:
+            if set(record.verdicts) != set(first.verdicts) or record.run != first.run:
+                raise LofastError("the runs to merge were made with other eps values or "
+                                  "settings; merge only the parts of one run")
+            if record.index in merged and merged[record.index].verdicts != record.verdicts:
+                raise LofastError(f"the runs disagree on sample {record.index}")
+            merged[record.index] = record
+    return [merged[i] for i in sorted(merged)]
+
+
 @dataclass
 class Summary:
     samples: int

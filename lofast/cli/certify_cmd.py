@@ -41,6 +41,23 @@ class PositiveFloat(click.ParamType):
         return number
 
 
+class Shard(click.ParamType):
+    """I/N: the I-th (from 0) of N interleaved parts of the samples."""
+
+    name = "I/N"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            index, count = (int(part) for part in str(value).split("/"))
+        except ValueError:
+            self.fail(f"{value!r} is not I/N (e.g. 0/4)", param, ctx)
+        if not 0 <= index < count:
+            self.fail(f"{value!r}: I must lie in 0 .. N-1", param, ctx)
+        return index, count
+
+
 @click.command()
 @click.option("--checkpoint", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Model to certify (default: the shipped default checkpoint).")
@@ -51,7 +68,7 @@ class PositiveFloat(click.ParamType):
 @click.option("--split", type=click.Choice(["test", "train"]), default="test", show_default=True)
 @click.option("--eps", "eps_values", type=PositiveFloat(), multiple=True, required=True,
               help="l2 radius in [0,1] pixel scale, e.g. 0.05 or 36/255 (repeatable).")
-@click.option("--n", "limit", type=click.IntRange(min=1), default=None,
+@click.option("--n", "--limit", "limit", type=click.IntRange(min=1), default=None,
               help="Certify the first N samples of the class-balanced order (i-th image of "
                    "every class in turn).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None,
@@ -94,11 +111,16 @@ class PositiveFloat(click.ParamType):
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Write one JSON record per sample (JSONL) as the run goes.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from --out.")
+@click.option("--shard", type=Shard(), default=None,
+              help="Certify only part I of N (every N-th sample from the I-th), e.g. one task "
+                   "of a job array; `lofast report --merge` joins the parts' --out files. Under "
+                   "torchrun every rank takes its part itself (--out gets .rankIofN per rank) "
+                   "and rank 0 prints the merged summary and writes the merged --out.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size, device,
             bound, softmax_jacobian, kappa, guarantee, fallback, fallback_timeout, attack,
             attack_steps, attack_restarts, attack_box, save_adversarial, seed, out,
-            resume, as_json) -> None:
+            resume, shard, as_json) -> None:
     """Certify l2 robustness of every sample with the LoFAST bound."""
     import torch
     from rich.progress import (
@@ -122,13 +144,33 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
     from lofast.cli.progress import PlainProgress
     from lofast.data import load_dataset
     from lofast.data.sample import class_balanced_order, load_bundled_sample
+    from lofast.distributed import gather_on_first, process_group, torchrun_rank
     from lofast.errors import LofastError
     from lofast.pipeline import AttackSettings, run_attack, run_fallback
-    from lofast.report import RecordWriter, SampleRecord, eps_key, summarize, summary_table
+    from lofast.report import (
+        RecordWriter,
+        SampleRecord,
+        eps_key,
+        merge_runs,
+        summarize,
+        summary_table,
+        write_records,
+    )
     from lofast.train import resolve_device
 
     if resume and out is None:
         raise LofastError("--resume needs --out, the file to continue")
+    ranks = torchrun_rank()
+    merged_out = None
+    if ranks is not None:
+        if shard is not None:
+            raise LofastError("under torchrun every rank takes its shard itself; drop --shard")
+        shard = ranks
+        if out is not None:
+            if out.exists() and not resume:
+                raise LofastError(f"{out} exists; pass --resume to continue it or choose "
+                                  "another --out")
+            merged_out, out = out, out.with_name(f"{out.name}.rank{ranks[0]}of{ranks[1]}")
     if save_adversarial is not None and not attack:
         raise LofastError("--save-adversarial needs --attack")
     attack_settings = AttackSettings(steps=attack_steps, restarts=attack_restarts,
@@ -150,6 +192,8 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
         data = load_dataset(data_path, split, dataset or meta.get("dataset"))
     check_data_fits(model, meta, data)
     order = class_balanced_order(data.labels)[:limit]
+    if shard is not None:
+        order = order[shard[0]::shard[1]]
     eps = sorted(set(eps_values))
     settings = CertifySettings(bound=bound, kappa=float(kappa), seed=seed,
                                softmax_jacobian=softmax_jacobian,
@@ -206,6 +250,14 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
                 plain(f"certified {len(records)}/{len(order)} samples, {rate}")
     finally:
         writer.close()
+    if ranks is not None:
+        with process_group("gloo"):
+            parts = gather_on_first(records)
+        if parts is None:
+            return  # rank 0 reports for all
+        records = merge_runs(parts)
+        if merged_out is not None:
+            write_records(merged_out, records)
     guarantee_text = settings.method.describe()
     if failure_probability > 0:
         guarantee_text += f"; per-sample failure probability <= {failure_probability:.1e}"

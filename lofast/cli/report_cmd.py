@@ -17,12 +17,16 @@ stdout = Console(highlight=False)
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path, dir_okay=False),
               default=None, help="Write the robustness curve (certified accuracy against eps, "
                                  "and the falsified upper bound where --attack ran) as a PNG.")
+@click.option("--merge", is_flag=True,
+              help="RUNS are parts of one run (certify --shard): one summary over all of them.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON on stdout.")
-def report(runs, plot_path, as_json) -> None:
+def report(runs, plot_path, merge, as_json) -> None:
     """Summarise RUNS (files written by `lofast certify --out`), side by side."""
-    from lofast.report import read_run, summarize, summary_table
+    from lofast.report import merge_runs, read_run, summarize, summary_table
 
     loaded = {str(path): read_run(path) for path in runs}
+    if merge:
+        loaded = {" + ".join(Path(p).name for p in loaded): merge_runs(list(loaded.values()))}
     summaries = {}
     for name, records in loaded.items():
         run = records[0].run

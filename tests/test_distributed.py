@@ -1,0 +1,104 @@
+"""Certification split over processes: shards (job arrays) and torchrun ranks give the records
+and the summary of one process on the same samples."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+from helpers import write_image_folder
+
+from lofast.checkpoint import save_checkpoint
+from lofast.cli.main import cli
+from lofast.config import preset
+from lofast.models.vit import create_model
+from lofast.report import read_run
+
+COMPARED = ("samples", "clean_accuracy", "certified_accuracy", "median_radius", "falsified")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    write_image_folder(root / "data", 8, 0)
+    checkpoint = root / "tiny.safetensors"
+    save_checkpoint(checkpoint, create_model(preset("tiny", num_classes=4), seed=0),
+                    {"dataset": "folder", "classes": [f"class{c}" for c in range(4)]})
+    return root, checkpoint
+
+
+def certify_args(setup, out, *extra):
+    root, checkpoint = setup
+    return ["certify", "--checkpoint", str(checkpoint), "--data", str(root / "data"),
+            "--device", "cpu", "--eps", "0.05", "--eps", "0.3", "--limit", "12", "--batch-size",
+            "4", "--attack", "--attack-steps", "5", "--attack-restarts", "1", "--json",
+            "--out", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def single(setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "all.jsonl"
+    result = CliRunner().invoke(cli, certify_args(setup, out))
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout), {r.index: r for r in read_run(out)}
+
+
+def assert_same_records(records, reference):
+    assert sorted(r.index for r in records) == sorted(reference)
+    for r in records:
+        ref = reference[r.index]
+        assert r.verdicts == ref.verdicts and r.falsified == ref.falsified
+        assert r.prediction == ref.prediction
+        assert r.radius == pytest.approx(ref.radius, rel=1e-9, abs=1e-12)
+
+
+def test_shards_merge_into_the_single_run(setup, single, tmp_path):
+    parts = []
+    for i in range(3):
+        out = tmp_path / f"part{i}.jsonl"
+        result = CliRunner().invoke(cli, certify_args(setup, out, "--shard", f"{i}/3"))
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["samples"] == 4
+        parts.append(str(out))
+    merged = CliRunner().invoke(cli, ["report", "--merge", "--json", *parts])
+    assert merged.exit_code == 0, merged.output
+    (summary,) = json.loads(merged.stdout).values()
+    for key in COMPARED:
+        assert summary[key] == pytest.approx(single[0][key])
+    assert_same_records([r for p in parts for r in read_run(p)], single[1])
+
+
+def test_merge_refuses_parts_of_other_runs(setup, tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    assert CliRunner().invoke(cli, certify_args(setup, a, "--shard", "0/2")).exit_code == 0
+    assert CliRunner().invoke(cli, certify_args(setup, b, "--shard", "1/2", "--bound",
+                                                "naive")).exit_code == 0
+    result = CliRunner().invoke(cli, ["report", "--merge", str(a), str(b)])
+    assert result.exit_code == 1 and "one run" in result.output
+
+
+@pytest.mark.parametrize("shard", ["2/2", "x", "1/0"])
+def test_bad_shard_is_one_clear_error(setup, tmp_path, shard):
+    result = CliRunner().invoke(cli, certify_args(setup, tmp_path / "o.jsonl", "--shard", shard))
+    assert result.exit_code == 2 and ("I/N" in result.output or "0 .. N-1" in result.output)
+
+
+@pytest.mark.slow
+def test_torchrun_with_two_gloo_processes_equals_one_process(setup, single, tmp_path):
+    out = tmp_path / "merged.jsonl"
+    # (--limit, not --n: torchrun would read --n as an abbreviation of its own options)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "LOFAST_CACHE_DIR": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "-m", "lofast", *certify_args(setup, out)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)  # rank 0 alone prints
+    for key in COMPARED:
+        assert summary[key] == pytest.approx(single[0][key])
+    assert_same_records(read_run(out), single[1])
+    for rank in range(2):
+        assert len(read_run(tmp_path / f"merged.jsonl.rank{rank}of2")) == 6
