@@ -22,7 +22,7 @@ import torch
 from lofast.checkpoint import load_checkpoint
 from lofast.config import TrainConfig, preset
 from lofast.models.vit import LipschitzViT, create_model
-from lofast.train import resolve_device, training_step
+from lofast.train import TrainingObjective, resolve_device, training_step
 from lofast.training_bound import TrainingBound
 
 EPOCH_IMAGES = 50_000
@@ -37,6 +37,7 @@ def seconds_per_step(config: TrainConfig, initial: LipschitzViT, device: torch.d
     y = torch.randint(0, 10, (config.batch_size,), generator=generator).to(device)
     bound = (TrainingBound(config.power_iterations, softmax_jacobian=config.softmax_jacobian)
              if config.loss == "certified" else None)
+    objective = TrainingObjective(model, config, bound)
     use_amp = config.amp and device.type == "cuda"
     started = 0.0
     for step in range(warmup + steps):
@@ -44,7 +45,7 @@ def seconds_per_step(config: TrainConfig, initial: LipschitzViT, device: torch.d
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             started = time.perf_counter()
-        training_step(model, optimizer, x, y, config, bound, config.train_eps, use_amp)
+        training_step(objective, optimizer, x, y, config.train_eps, use_amp)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return (time.perf_counter() - started) / steps

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from lofast.checkpoint import atomic_write
 from lofast.config import TrainConfig
@@ -121,24 +122,47 @@ class StepStats:
     images_per_second: float
 
 
-def training_step(model: LipschitzViT, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor,
-                  config: TrainConfig, bound: TrainingBound | None, eps: float,
-                  use_amp: bool) -> tuple[Tensor, Tensor]:
-    """One optimisation step on a batch (B, C, H, W); returns the loss and the clean logits.
-    With a bound (certified loss) the logits are worsened by its radius at eps. A non-finite
-    loss is returned without updating the weights."""
-    radius = None
-    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=use_amp):
-        if bound is not None:
-            logits, radius = bound(model, x, eps)
+class TrainingObjective(nn.Module):
+    """The loss of a batch as one module (so DistributedDataParallel can wrap it): the training
+    loss and the clean logits of images (B, C, H, W) with labels (B,), the logits worsened by
+    the training bound's radius at eps for the certified loss."""
+
+    def __init__(self, model: LipschitzViT, config: TrainConfig,
+                 bound: TrainingBound | None) -> None:
+        super().__init__()
+        self.model = model
+        self.config = config
+        self.bound = bound
+
+    def forward(self, x: Tensor, y: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        radius = None
+        if self.bound is not None:
+            logits, radius = self.bound(self.model, x, eps)
         else:
-            logits = model(x)
-    loss = training_loss(model, logits.float(), y, config, radius)
-    if torch.isfinite(loss):
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    return loss, logits
+            logits = self.model(x)
+        return training_loss(self.model, logits.float(), y, self.config, radius), logits
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def training_step(objective: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor,
+                  eps: float, use_amp: bool) -> tuple[Tensor, Tensor]:
+    """One optimisation step on a batch (B, C, H, W); returns the loss and the clean logits.
+    A loss that is non-finite (on any process, when several train together) is returned as
+    NaN without updating the weights, so that every process stops at the same step."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=use_amp):
+        loss, logits = objective(x, y, eps)
+    finite = torch.isfinite(loss.detach()).float()
+    if _distributed():
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if not finite:
+        return torch.full_like(loss.detach(), math.nan), logits
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.detach(), logits
 
 
 def _lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
@@ -209,6 +233,15 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
         if config.loss == "certified" else None
     if bound is not None and state is not None:
         bound.load_state(state.get("bound", {}), device)
+    objective: nn.Module = TrainingObjective(model, config, bound)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+    if world > 1:
+        if config.batch_size % world:
+            raise LofastError(f"batch size {config.batch_size} is not divisible by the "
+                              f"{world} processes")
+        # averages the gradients of the processes' parts of every batch; starts from rank 0's
+        # weights (equal anyway: all processes load the same initial model or state)
+        objective = nn.parallel.DistributedDataParallel(objective)
     use_amp = config.amp and device.type == "cuda"
     # the whole uint8 training set lives on the device; batches are gathered there
     images_all = torch.as_tensor(train_images).to(device)
@@ -224,7 +257,9 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
             before, partial = partial["seconds"], None
         started = time.perf_counter() - before
         for step in range(first_step, steps_per_epoch):
-            index = order[step * config.batch_size:(step + 1) * config.batch_size]
+            # one global batch per step whatever the number of processes; each takes every
+            # world-th sample of it (so a resume may change the number of processes)
+            index = order[step * config.batch_size:(step + 1) * config.batch_size][rank::world]
             index = index.to(device)
             x = images_all[index].permute(0, 3, 1, 2).float().div_(255.0)
             y = labels_all[index]
@@ -232,8 +267,7 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
                 x = augment(x, generator)
             eps = scheduled_eps(config, epoch + step / steps_per_epoch)
             try:
-                loss, logits = training_step(model, optimizer, x, y, config, bound, eps,
-                                             use_amp)
+                loss, logits = training_step(objective, optimizer, x, y, eps, use_amp)
             except torch.linalg.LinAlgError:  # the spectral caps' SVD of non-finite weights
                 raise LofastError(f"training diverged at epoch {epoch + 1} (non-finite weights); "
                                   "lower the learning rate") from None
@@ -246,33 +280,54 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
             seen += len(y)
             if on_step is not None:
                 on_step(StepStats(epoch + 1, step + 1, steps_per_epoch, loss_sum / seen,
-                                  correct / seen, seen / (time.perf_counter() - started)))
-            if (deadline is not None and time.monotonic() >= deadline
-                    and step + 1 < steps_per_epoch):
+                                  correct / seen, world * seen / (time.perf_counter() - started)))
+            if (_past(deadline) and step + 1 < steps_per_epoch):
                 stopped = {"order": order, "step": step + 1, "loss_sum": loss_sum,
                            "correct": correct, "seen": seen,
                            "seconds": time.perf_counter() - started}
-                if state_path is not None:
+                if state_path is not None and rank == 0:
                     save_training_state(state_path, model, optimizer, scheduler, generator,
                                         epoch, config, history, bound, plan, stopped)
                 raise TimeLimitReached(f"epoch {epoch + 1}, step {step + 1}/{steps_per_epoch}")
         seconds = time.perf_counter() - started
+        loss_sum, correct, seen = _summed(loss_sum, correct, seen, device)
+        test_accuracy = evaluate(model, test_images, test_labels, device) if rank == 0 else 0.0
         stats = EpochStats(epoch + 1, config.epochs, loss_sum / seen, correct / seen,
-                           evaluate(model, test_images, test_labels, device),
-                           seen / seconds, seconds)
+                           test_accuracy, seen / seconds, seconds)
         if not all(torch.isfinite(p).all() for p in model.parameters()):
             raise LofastError(f"training produced non-finite weights in epoch {epoch + 1}; the "
                               "last finished epoch's state is kept; lower the learning rate")
         history.append(stats)
-        if state_path is not None:
+        if state_path is not None and rank == 0:
             save_training_state(state_path, model, optimizer, scheduler, generator, epoch + 1,
                                 config, history, bound, plan)
         if on_epoch is not None:
             on_epoch(stats)
-        if deadline is not None and time.monotonic() >= deadline and epoch + 1 < config.epochs:
+        if _past(deadline) and epoch + 1 < config.epochs:
             raise TimeLimitReached(f"epoch {epoch + 1} of {config.epochs}")
     model.eval()
     return history
+
+
+def _past(deadline: float | None) -> bool:
+    """Whether the deadline has passed, the same answer on every process (the earliest to see
+    it decides), so that all stop at one step."""
+    if deadline is None:
+        return False
+    past = torch.tensor(float(time.monotonic() >= deadline))
+    if _distributed():
+        dist.all_reduce(past, op=dist.ReduceOp.MAX)  # gloo: CPU tensors
+    return bool(past)
+
+
+def _summed(loss_sum: float, correct: int, seen: int,
+            device: torch.device) -> tuple[float, int, int]:
+    """An epoch's loss and accuracy sums over every process (unchanged with one)."""
+    if not _distributed():
+        return loss_sum, correct, seen
+    totals = torch.tensor([loss_sum, correct, seen], dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    return totals[0].item(), int(totals[1].item()), int(totals[2].item())
 
 
 def save_training_state(path: Path, model: LipschitzViT, optimizer: torch.optim.Optimizer,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from click.testing import CliRunner
 from helpers import write_image_folder
 
@@ -102,3 +103,69 @@ def test_torchrun_with_two_gloo_processes_equals_one_process(setup, single, tmp_
     assert_same_records(read_run(out), single[1])
     for rank in range(2):
         assert len(read_run(tmp_path / f"merged.jsonl.rank{rank}of2")) == 6
+
+
+def torchrun(args, tmp_path, processes=2):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOFAST_CACHE_DIR": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(processes), "-m", "lofast", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300,
+                          check=False)
+
+
+def train_args(setup, out, *extra):
+    root, _ = setup
+    return ["train", "--dataset", "folder", "--data", str(root / "data"), "--preset", "tiny",
+            "--batch-size", "16", "--device", "cpu", "--no-augment", "--lr", "3e-3",
+            "--out", str(out), *extra]
+
+
+def assert_close_weights(a, b):
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(a)), load_file(str(b))
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=1e-4, atol=1e-5), key
+
+
+@pytest.mark.slow
+def test_torchrun_training_equals_one_process(setup, tmp_path):
+    """Two gloo processes averaging the gradients of half batches take the steps one process
+    takes on whole batches (up to rounding); rank 0 alone writes."""
+    one = tmp_path / "one.safetensors"
+    assert CliRunner().invoke(cli, train_args(setup, one, "--epochs", "2")).exit_code == 0
+    two = tmp_path / "two.safetensors"
+    done = torchrun(train_args(setup, two, "--epochs", "2"), tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("saved ") == 1 and "2 processes" in done.stderr
+    assert_close_weights(one, two)
+
+
+@pytest.mark.slow
+def test_torchrun_certified_training(setup, tmp_path):
+    """The certified loss trains data-parallel too. Its bound is an estimate from random power
+    iteration starts of the shape of each process's part of the batch, so the runs are close,
+    not equal."""
+    certified = ["--epochs", "2", "--loss", "certified", "--train-eps", "0.1"]
+    one = tmp_path / "one.safetensors"
+    assert CliRunner().invoke(cli, train_args(setup, one, *certified)).exit_code == 0
+    two = tmp_path / "two.safetensors"
+    done = torchrun(train_args(setup, two, *certified), tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from lofast.checkpoint import read_metadata
+
+    losses = [read_metadata(p)["history"][-1]["train_loss"] for p in (one, two)]
+    assert losses[1] == pytest.approx(losses[0], rel=0.05)
+
+
+@pytest.mark.slow
+def test_torchrun_run_stopped_by_time_limit_resumes_on_one_process(setup, tmp_path):
+    one = tmp_path / "one.safetensors"
+    assert CliRunner().invoke(cli, train_args(setup, one, "--epochs", "2")).exit_code == 0
+    cut = tmp_path / "cut.safetensors"
+    done = torchrun(train_args(setup, cut, "--epochs", "2", "--time-limit", "1e-6"), tmp_path)
+    assert done.returncode != 0 and "time limit reached after epoch 1, step 1/" in done.stderr
+    assert not cut.exists()
+    result = CliRunner().invoke(cli, train_args(setup, cut, "--epochs", "2", "--resume"))
+    assert result.exit_code == 0, result.output
+    assert_close_weights(one, cut)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 import time
@@ -116,6 +117,7 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
     from lofast.config import preset as make_preset
     from lofast.data import load_dataset
     from lofast.data.sample import class_balanced_order
+    from lofast.distributed import process_group, torchrun_rank
     from lofast.errors import LofastError, TimeLimitReached
     from lofast.models.vit import INIT_OPTIONS, create_model, with_options
     from lofast.train import resolve_device
@@ -129,6 +131,15 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
         raise LofastError(f"{out} exists; pass --overwrite to replace it or choose another --out")
     check_writable(out)  # before any training: a run must not fail only when it saves
     dev = resolve_device(device)
+    ranks = torchrun_rank()  # (rank, world size) under torchrun with several processes
+    leader = ranks is None or ranks[0] == 0  # writes the checkpoint, the state and the log
+    if ranks is not None:
+        if dev.type == "cuda":
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(dev)
+        # gloo carries the CPU flags (time limit, divergence), NCCL the GPU gradients
+        ctx.with_resource(process_group("cpu:gloo,cuda:nccl" if dev.type == "cuda"
+                                        else "gloo"))
     config = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
                          warmup_epochs=warmup_epochs, schedule=schedule, loss=loss,
                          margin=margin, train_eps=train_eps, eps_ramp_epochs=eps_ramp_epochs,
@@ -166,15 +177,17 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
     plan = {"model_config": model.config.to_json(), "dataset": train_set.name,
             "data": train_set.digest()[:16], "limit": limit,
             "init": None if init_path is None else file_digest(init_path)[:16]}
-    console.print(f"training [bold]{architecture}[/] on {train_set.name} ({len(train_set)} train, "
-                  f"{len(test_set)} test images) on {dev}")
+    processes = "" if ranks is None else f", {ranks[1]} processes"
+    if leader:
+        console.print(f"training [bold]{architecture}[/] on {train_set.name} ({len(train_set)} "
+                      f"train, {len(test_set)} test images) on {dev}{processes}")
 
     columns = [TextColumn("epoch {task.fields[epoch]}"), BarColumn(),
                TextColumn("{task.completed}/{task.total}"),
                TextColumn("loss {task.fields[loss]:.3f} acc {task.fields[acc]:.1%} "
                           "{task.fields[ips]:.0f} img/s"), TimeElapsedColumn()]
-    plain = PlainProgress(console)
-    with Progress(*columns, console=console, transient=True) as progress:
+    plain = PlainProgress(console) if leader else (lambda line: None)
+    with Progress(*columns, console=console, transient=True, disable=not leader) as progress:
         task = progress.add_task("train", total=1, epoch="-", loss=0.0, acc=0.0, ips=0.0)
 
         def on_step(s):
@@ -184,10 +197,11 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
                   f"train acc {s.accuracy:.2%}, {s.images_per_second:.0f} img/s")
 
         def on_epoch(s):
-            progress.console.print(
-                f"epoch {s.epoch}/{s.epochs}: loss {s.train_loss:.4f}, train acc "
-                f"{s.train_accuracy:.2%}, test acc {s.test_accuracy:.2%}, "
-                f"{s.images_per_second:.0f} img/s, {s.seconds:.1f} s")
+            if leader:
+                progress.console.print(
+                    f"epoch {s.epoch}/{s.epochs}: loss {s.train_loss:.4f}, train acc "
+                    f"{s.train_accuracy:.2%}, test acc {s.test_accuracy:.2%}, "
+                    f"{s.images_per_second:.0f} img/s, {s.seconds:.1f} s")
 
         try:
             history = run_training(model, train_set.images, train_set.labels, test_set.images,
@@ -195,9 +209,12 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
                                    resume=resume, plan=plan, on_step=on_step,
                                    on_epoch=on_epoch, deadline=deadline)
         except TimeLimitReached as stop:
-            progress.console.print(f"time limit reached after {stop}: state saved in "
-                                   f"{state_path}; rerun with --resume to continue")
+            if leader:
+                progress.console.print(f"time limit reached after {stop}: state saved in "
+                                       f"{state_path}; rerun with --resume to continue")
             sys.exit(EXIT_TIME_LIMIT)
+    if not leader:
+        return
     final = history[-1]
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in ctx.params.items()}
     if init_path is not None:
