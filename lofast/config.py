@@ -59,6 +59,9 @@ class ModelConfig:
     # Fix every head's ||Wq_l Wk_l^T|| at this value (None: only capped, which lets certified
     # training drive the scores, and with them input-dependent attention, to zero).
     score_norm: float | None = None
+    # "learned" Wq, Wk, or "identity": Wq = Wk = I, each head's scores the dot products of the
+    # tokens' coordinates it owns (no learned direction can make the scores constant)
+    query_key: str = "learned"
 
     def __post_init__(self) -> None:
         # Every value here reaches the forward pass, and the radii reach the Lipschitz
@@ -75,6 +78,8 @@ class ModelConfig:
             raise LofastError(f"input_center must be a finite number, not {self.input_center!r}")
         if self.pool not in ("mean", "cls"):
             raise LofastError(f"pool must be 'mean' or 'cls', not {self.pool!r}")
+        if self.query_key not in ("learned", "identity"):
+            raise LofastError(f"query_key must be 'learned' or 'identity', not {self.query_key!r}")
         if not isinstance(self.position_bias, bool):
             raise LofastError(f"position_bias must be true or false, not {self.position_bias!r}")
         if self.image_size % self.patch_size:
@@ -95,7 +100,7 @@ class ModelConfig:
         d, n, hidden = self.width, self.num_tokens, self.width * self.mlp_ratio
         embed = d * self.channels * self.patch_size**2 + d + self.num_patches * d + d
         bias = self.heads * n * n if self.position_bias else 0
-        block = 4 * d * d + bias + d * hidden + 2 * hidden
+        block = (4 if self.query_key == "learned" else 2) * d * d + bias + d * hidden + 2 * hidden
         return embed + self.depth * block + self.num_classes * (d + 1)
 
     @property

@@ -30,8 +30,8 @@ def trained_with_position_bias():
 
 @pytest.fixture(scope="module")
 def trained_with_live_attention():
-    """Every head's ||Wq_l Wk_l^T|| fixed at 4: scores vary by up to 1 across tokens."""
-    return train_tiny(position_bias=True, score_norm=4.0)
+    """Wq = Wk = I with every head's ||A_l|| fixed at 4: scores vary by up to 1 across tokens."""
+    return train_tiny(position_bias=True, score_norm=4.0, query_key="identity")
 
 
 @pytest.fixture(scope="module")

@@ -188,9 +188,10 @@ def test_presets_are_valid_and_bad_configs_fail():
         preset("nope")
 
 
-@pytest.mark.parametrize("gain", [0.5, 4.0])
-def test_score_norm_fixes_every_heads_score_matrix(gain):
-    model = create_model(preset("tiny", score_norm=gain), seed=0).double()
+@pytest.mark.parametrize("gain, query_key", [(0.5, "learned"), (4.0, "learned"),
+                                             (4.0, "identity")])
+def test_score_norm_fixes_every_heads_score_matrix(gain, query_key):
+    model = create_model(preset("tiny", score_norm=gain, query_key=query_key), seed=0).double()
     for stage in model.stages:
         if hasattr(stage, "head_weights"):
             w = stage.head_weights()
@@ -206,3 +207,18 @@ def test_score_norm_can_be_added_to_a_trained_model():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), alive.parameters()))
     with pytest.raises(LofastError, match="take on only"):
         with_options(model, heads=1)
+
+
+def test_identity_query_key_drops_the_learned_weights():
+    model = create_model(preset("tiny"), seed=0)
+    similar = with_options(model, query_key="identity", score_norm=1.0)
+    names = [name for name, _ in similar.named_parameters()]
+    assert not any(name.endswith((".query", ".key")) for name in names)
+    attention = next(s for s in similar.stages if hasattr(s, "head_weights"))
+    w = attention.head_weights()
+    d, dh = w["query"].shape[1], w["query"].shape[2]
+    # head l sees its own dh coordinates, scaled to ||A_l|| = 1
+    expected = torch.eye(d)[:, :dh]
+    torch.testing.assert_close(w["query"][0], expected)
+    with pytest.raises(LofastError):
+        with_options(model, query_key="learned")

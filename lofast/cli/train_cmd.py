@@ -160,8 +160,8 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
         options = parse_model_options(model_options)
         if preset_given or not set(options) <= set(INIT_OPTIONS):
             raise LofastError("--init takes the architecture from the checkpoint; drop --preset "
-                              "and --model-option (only position_bias=true and score_norm=G "
-                              "may be added)")
+                              "and --model-option (only position_bias=true, score_norm=G and "
+                              "query_key=identity may be added)")
         model = load_checkpoint(init_path)
         if options:
             model = with_options(model, **options)

@@ -115,21 +115,25 @@ class Attention(HoldsCappedWeights, nn.Module):
 
     P_l(X) = softmax(X Wq_l (X Wk_l)^T / s + C_l), with C_l a learned (n, n) position bias when
     ``num_tokens`` is given (zero at initialisation) and C_l = 0 otherwise. With ``score_norm``
-    g, every head's A_l = Wq_l Wk_l^T has spectral norm exactly g (after the caps).
+    g, every head's A_l = Wq_l Wk_l^T has spectral norm exactly g (after the caps). Without
+    ``learned_query_key``, Wq = Wk = I (dot-product similarity per head).
     Heads split the columns of Wq, Wk, Wv (d, d) and the rows of Wo (d, d); the caps apply to
     the whole matrices, so every head's ||Wv_l Wo_l|| <= value_cap * output_cap.
     """
 
     def __init__(self, width: int, heads: int, query_key_cap: float | None,
                  value_cap: float, output_cap: float, num_tokens: int | None = None,
-                 score_norm: float | None = None) -> None:
+                 score_norm: float | None = None, learned_query_key: bool = True) -> None:
         super().__init__()
         self.score_norm = score_norm
         self.heads = heads
         self.head_dim = width // heads
         self.scale = math.sqrt(width / heads)
-        self.caps = {"query": query_key_cap, "key": query_key_cap,
-                     "value": value_cap, "output": output_cap}
+        # Without learned query and key weights, Wq = Wk = I: head l compares tokens by their
+        # dot product on its own dh coordinates, so no direction of the tokens is hidden from
+        # every head's scores.
+        self.caps = ({"query": query_key_cap, "key": query_key_cap} if learned_query_key
+                     else {}) | {"value": value_cap, "output": output_cap}
         self.weights = nn.ParameterDict()
         for name in self.caps:
             w = torch.empty(width, width)
@@ -140,6 +144,10 @@ class Attention(HoldsCappedWeights, nn.Module):
 
     def _capped(self) -> dict[str, Tensor]:
         capped = {name: spectral_cap(self.weights[name], cap) for name, cap in self.caps.items()}
+        if "query" not in capped:
+            like = capped["value"]
+            capped["query"] = capped["key"] = torch.eye(like.shape[0], dtype=like.dtype,
+                                                        device=like.device)
         if self.score_norm is not None:
             capped["query"], capped["key"] = self._fixed_score_norm(capped["query"],
                                                                      capped["key"])

@@ -43,7 +43,7 @@ class LipschitzViT(nn.Module):
             stages.append(LayerProject(c.attn_radius))
             stages.append(Attention(c.width, c.heads, c.query_key_cap, c.value_cap,
                                     c.output_cap, c.num_tokens if c.position_bias else None,
-                                    c.score_norm))
+                                    c.score_norm, c.query_key == "learned"))
             if c.mlp_radius is not None:
                 stages.append(LayerProject(c.mlp_radius))
             stages.append(SLL(c.width, c.width * c.mlp_ratio))
@@ -95,19 +95,25 @@ class LipschitzViT(nn.Module):
 INIT_OPTIONS = {
     "position_bias": "zero position biases (the same function), free to train",
     "score_norm": "every head's ||Wq_l Wk_l^T|| fixed at this value (attention kept alive)",
+    "query_key": "'identity': Wq = Wk = I, the learned query and key weights dropped",
 }
 
 
 def with_options(model: LipschitzViT, **changes) -> LipschitzViT:
     """A copy of ``model`` with config fields from INIT_OPTIONS changed: position_bias=True adds
-    zero biases (the same function); score_norm rescales every head's scores to that norm."""
+    zero biases (the same function); score_norm rescales every head's scores to that norm;
+    query_key='identity' replaces the learned Wq, Wk by the identity."""
     unknown = sorted(set(changes) - set(INIT_OPTIONS))
-    if unknown or changes.get("position_bias", True) is not True:
+    if (unknown or changes.get("position_bias", True) is not True
+            or changes.get("query_key", "identity") != "identity"):
         raise LofastError(f"a trained model can take on only: "
                           f"{', '.join(f'{k} ({v})' for k, v in INIT_OPTIONS.items())}")
     like = next(model.parameters())
     extended = LipschitzViT(dataclasses.replace(model.config, **changes)).to(like)
-    missing, unexpected = extended.load_state_dict(model.state_dict(), strict=False)
+    kept = {k: v for k, v in model.state_dict().items() if k in extended.state_dict()}
+    dropped = set(model.state_dict()) - set(kept)
+    assert all(k.endswith((".weights.query", ".weights.key")) for k in dropped)
+    missing, unexpected = extended.load_state_dict(kept, strict=False)
     assert not unexpected and all(key.endswith(".position_bias") for key in missing)
     return extended
 
