@@ -137,7 +137,16 @@ def check_data_fits(model: LipschitzViT, metadata: dict[str, Any], data: Any) ->
                           f"checkpoint was trained on {list(trained_on)}")
 
 
-SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
+def _shipped_dir() -> Path:
+    """Where the shipped checkpoints are: inside the installed package (a wheel, or `pip
+    install .`, carries a copy of the repository's checkpoints/), else checkpoints/ beside the
+    package in the repository (an editable install)."""
+    package = Path(__file__).resolve().parent
+    installed = package / "checkpoints"
+    return installed if installed.is_dir() else package.parent / "checkpoints"
+
+
+SHIPPED_DIR = _shipped_dir()
 DEFAULT_CHECKPOINT = "lofast-default.safetensors"
 
 
