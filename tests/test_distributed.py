@@ -9,30 +9,21 @@ import sys
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import write_image_folder
 
-from lofast.checkpoint import save_checkpoint
 from lofast.cli.main import cli
-from lofast.config import preset
-from lofast.models.vit import create_model
 from lofast.report import read_run
 
 COMPARED = ("samples", "clean_accuracy", "certified_accuracy", "median_radius", "falsified")
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dist")
-    write_image_folder(root / "data", 8, 0)
-    checkpoint = root / "tiny.safetensors"
-    save_checkpoint(checkpoint, create_model(preset("tiny", num_classes=4), seed=0),
-                    {"dataset": "folder", "classes": [f"class{c}" for c in range(4)]})
-    return root, checkpoint
+def setup(data_dir, checkpoint):
+    return data_dir, checkpoint
 
 
 def certify_args(setup, out, *extra):
     root, checkpoint = setup
-    return ["certify", "--checkpoint", str(checkpoint), "--data", str(root / "data"),
+    return ["certify", "--checkpoint", str(checkpoint), "--data", str(root),
             "--device", "cpu", "--eps", "0.05", "--eps", "0.3", "--limit", "12", "--batch-size",
             "4", "--attack", "--attack-steps", "5", "--attack-restarts", "1", "--json",
             "--out", str(out), *extra]
@@ -115,7 +106,7 @@ def torchrun(args, tmp_path, processes=2):
 
 def train_args(setup, out, *extra):
     root, _ = setup
-    return ["train", "--dataset", "folder", "--data", str(root / "data"), "--preset", "tiny",
+    return ["train", "--dataset", "folder", "--data", str(root), "--preset", "tiny",
             "--batch-size", "16", "--device", "cpu", "--no-augment", "--lr", "3e-3",
             "--out", str(out), *extra]
 

@@ -9,35 +9,11 @@ import os
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers import write_image_folder
 
-from lofast.checkpoint import save_checkpoint
 from lofast.cli.main import cli
-from lofast.config import preset
-from lofast.models.vit import create_model
 from lofast.report import RecordWriter
 
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("folder")
-    write_image_folder(root, 8, 0)
-    return root
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ckpt") / "tiny.safetensors"
-    model = create_model(preset("tiny", num_classes=4), seed=0)
-    save_checkpoint(path, model, {"dataset": "folder",
-                                  "classes": ["class0", "class1", "class2", "class3"]})
-    return path
-
-
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path_factory, monkeypatch):
-    # shared and outside the folders whose files a test watches
-    monkeypatch.setenv("LOFAST_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("shared_cache")
 
 
 def invoke(*args):

@@ -7,12 +7,14 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import train_tiny, write_image_folder
+from helpers import train_tiny
 from PIL import Image
 
 from lofast.attack import pgd_attack
-from lofast.checkpoint import load_checkpoint, save_checkpoint
+from lofast.checkpoint import load_checkpoint
 from lofast.cli.main import cli
+
+pytestmark = pytest.mark.usefixtures("shared_cache")
 
 
 @pytest.fixture(scope="module")
@@ -54,29 +56,6 @@ def test_nothing_is_found_where_nothing_exists(trained):
     assert not result.found[correct].any()
     assert torch.equal(result.adversarial_class[~result.found],
                        torch.full_like(result.adversarial_class[~result.found], -1))
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("folder")
-    write_image_folder(root, 8, 0)
-    return root
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from lofast.config import preset
-    from lofast.models.vit import create_model
-
-    path = tmp_path_factory.mktemp("ckpt") / "tiny.safetensors"
-    save_checkpoint(path, create_model(preset("tiny", num_classes=4), seed=0),
-                    {"dataset": "folder", "classes": [f"class{c}" for c in range(4)]})
-    return path
-
-
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("LOFAST_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
 def certify(checkpoint, data_dir, out, *extra):

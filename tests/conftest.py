@@ -1,0 +1,33 @@
+"""Fixtures shared by the CLI-level test modules (a module may define its own of the same name,
+as test_cli.py does for a trained checkpoint): a small image folder of four colour classes, an
+untrained tiny checkpoint for it, and one data cache outside the folders tests watch."""
+
+import pytest
+from helpers import write_image_folder
+
+from lofast.checkpoint import save_checkpoint
+from lofast.config import preset
+from lofast.models.vit import create_model
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """train/ and test/ folders of four classes, 8 and 4 PNG images per class."""
+    root = tmp_path_factory.mktemp("folder")
+    write_image_folder(root, 8, 0)
+    return root
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """The tiny preset for the four classes of data_dir, untrained (seed 0)."""
+    path = tmp_path_factory.mktemp("ckpt") / "tiny.safetensors"
+    save_checkpoint(path, create_model(preset("tiny", num_classes=4), seed=0),
+                    {"dataset": "folder", "classes": [f"class{c}" for c in range(4)]})
+    return path
+
+
+@pytest.fixture
+def shared_cache(tmp_path_factory, monkeypatch):
+    """Decoded data cached once per session, outside every test's own folders."""
+    monkeypatch.setenv("LOFAST_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
