@@ -1,16 +1,21 @@
 """The attention report and the attention ablation: planted dead and live attention, the ablated
-model against a dense float64 reference."""
+model against a dense float64 reference, and the two commands that show them."""
 
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
+from PIL import Image
 
 from lofast.attention_report import ablate_attention, attention_report, mean_attention
 from lofast.bounds.attention import attention_probabilities
 from lofast.bounds.spectral import SpectralMethod
 from lofast.certify import Certifier, CertifySettings, attention_weights
+from lofast.checkpoint import save_checkpoint
+from lofast.cli.main import cli
 from lofast.config import preset
 from lofast.errors import CertificationError
 from lofast.models.layers import Attention
@@ -210,3 +215,78 @@ def test_bad_inputs_are_refused():
     with pytest.raises(CertificationError, match="N >= 1"):
         attention_report(model, x[:0], y[:0])
 
+
+# The commands
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """Four colour classes, four test images each (32 x 32)."""
+    root = tmp_path_factory.mktemp("folder")
+    rng = np.random.default_rng(0)
+    colours = np.array([[200, 40, 40], [40, 200, 40], [40, 40, 200], [200, 200, 40]])
+    for split in ("train", "test"):
+        for c, colour in enumerate(colours):
+            (root / split / f"class{c}").mkdir(parents=True)
+            for i in range(4):
+                pixels = np.clip(colour + rng.integers(-40, 40, (32, 32, 3)), 0, 255)
+                Image.fromarray(pixels.astype(np.uint8)).save(root / split / f"class{c}" / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def dead_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "dead.safetensors"
+    save_checkpoint(path, dead_model(True), metadata={"dataset": "folder"})
+    return path
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOFAST_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_info_with_data_shows_heads_and_ablation(dead_checkpoint, folder):
+    result = CliRunner().invoke(cli, ["info", str(dead_checkpoint), "--data", str(folder),
+                                      "--eps", "0.05", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "attention on 16 samples" in result.output and "TV mean" in result.output
+    assert "attention ablation" in result.output and "certified @ eps=0.05" in result.output
+    plain = CliRunner().invoke(cli, ["info", str(dead_checkpoint)])  # as before: no data
+    assert plain.exit_code == 0 and "TV mean" not in plain.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sample", "--data", "DATA"], "not both"),
+    (["--eps", "0.05"], "need --data or --sample"),
+    (["--n", "4"], "need --data or --sample"),
+])
+def test_info_option_errors_are_one_line(dead_checkpoint, folder, args, message):
+    args = [str(folder) if a == "DATA" else a for a in args]
+    result = CliRunner().invoke(cli, ["info", str(dead_checkpoint), *args])
+    assert result.exit_code == 1 and message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_certify_attention_report_json(dead_checkpoint, folder):
+    result = CliRunner().invoke(cli, [
+        "certify", "--checkpoint", str(dead_checkpoint), "--data", str(folder), "--eps", "0.05",
+        "--eps", "36/255", "--n", "12", "--device", "cpu", "--attention-report", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    attention = summary["attention"]
+    assert attention["samples"] == summary["samples"] == 12
+    assert attention["clean_accuracy"] == summary["clean_accuracy"]
+    assert attention["certified_accuracy"] == summary["certified_accuracy"]
+    assert attention["attention_ablation_drop"] == 0.0
+    assert attention["certified_ablation_drop"] == {"0.05": 0.0, "0.141176": 0.0}
+    assert attention["max_score_norm"] == 0.0 and len(attention["heads"]) == 4
+    table = CliRunner().invoke(cli, [
+        "certify", "--checkpoint", str(dead_checkpoint), "--data", str(folder), "--eps", "0.05",
+        "--n", "4", "--device", "cpu", "--attention-report"])
+    assert table.exit_code == 0, table.output
+    assert "attention_ablation_drop" in table.output
+    without = CliRunner().invoke(cli, [
+        "certify", "--checkpoint", str(dead_checkpoint), "--data", str(folder), "--eps", "0.05",
+        "--n", "4", "--device", "cpu", "--json"])
+    assert "attention" not in json.loads(without.stdout)

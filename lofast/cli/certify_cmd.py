@@ -41,6 +41,25 @@ class PositiveFloat(click.ParamType):
         return number
 
 
+def load_samples(model, meta, data_path, dataset, split, limit):
+    """(data, order): the data set (the bundled sample when data_path is None, else the one at
+    data_path, of kind `dataset` or the checkpoint's) and the indices to evaluate, the first
+    `limit` of the class-balanced order (all when None). Refuses images of another shape."""
+    from lofast.data import load_dataset
+    from lofast.data.sample import class_balanced_order, load_bundled_sample
+    from lofast.errors import LofastError
+
+    if data_path is None:
+        data = load_bundled_sample()
+    else:
+        data = load_dataset(data_path, split, dataset or meta.get("dataset"))
+    expected = (model.config.image_size, model.config.image_size, model.config.channels)
+    if data.images.shape[1:] != expected:
+        raise LofastError(f"data images have shape {data.images.shape[1:]}, the model expects "
+                          f"{expected} (H, W, C)")
+    return data, class_balanced_order(data.labels)[:limit]
+
+
 @click.command()
 @click.option("--checkpoint", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Model to certify (default: the shipped default checkpoint).")
@@ -83,9 +102,15 @@ class PositiveFloat(click.ParamType):
               help="Write one JSON record per sample (JSONL) as the run goes.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from --out.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@click.option("--attention-report", is_flag=True,
+              help="Also measure attention on the same samples: ||Wq_l Wk_l^T|| and how far "
+                   "P_l(X) strays from its mean per head, and the attention ablation (every "
+                   "P_l(X) replaced by its mean over the samples), certified at the same --eps "
+                   "with the same settings and compared with LoFAST's own verdicts on the real "
+                   "model (JSON key 'attention').")
 def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size, device,
             bound, softmax_jacobian, kappa, guarantee, fallback, fallback_timeout, seed, out,
-            resume, as_json) -> None:
+            resume, as_json, attention_report) -> None:
     """Certify l2 robustness of every sample with the LoFAST bound."""
     import torch
     from rich.progress import (
@@ -106,8 +131,6 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
         read_metadata,
     )
     from lofast.cli.progress import PlainProgress
-    from lofast.data import load_dataset
-    from lofast.data.sample import class_balanced_order, load_bundled_sample
     from lofast.errors import LofastError
     from lofast.report import RecordWriter, SampleRecord, eps_key, summarize, summary_table
     from lofast.train import resolve_device
@@ -125,15 +148,7 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
     checkpoint = checkpoint or default_checkpoint_path()
     model = load_checkpoint(checkpoint)
     meta = read_metadata(checkpoint)
-    if data_path is None:
-        data = load_bundled_sample()
-    else:
-        data = load_dataset(data_path, split, dataset or meta.get("dataset"))
-    expected = (model.config.image_size, model.config.image_size, model.config.channels)
-    if data.images.shape[1:] != expected:
-        raise LofastError(f"data images have shape {data.images.shape[1:]}, the model expects "
-                          f"{expected} (H, W, C)")
-    order = class_balanced_order(data.labels)[:limit]
+    data, order = load_samples(model, meta, data_path, dataset, split, limit)
     eps = sorted(set(eps_values))
     settings = CertifySettings(bound=bound, kappa=float(kappa), seed=seed,
                                softmax_jacobian=softmax_jacobian,
@@ -191,10 +206,39 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
         guarantee_text += f"; per-sample failure probability <= {failure_probability:.1e}"
     summary = summarize(records, eps, time.perf_counter() - started, guarantee_text,
                         settings.describe(), float(kappa), str(dev))
+    attention = None
+    if attention_report:
+        attention = measure_attention(model, data, order, records, eps, settings, dev,
+                                      batch_size)
     if as_json:
-        click.echo(json.dumps(summary.to_dict(), indent=2))
+        result = summary.to_dict()
+        if attention is not None:
+            result["attention"] = attention.to_dict()
+        click.echo(json.dumps(result, indent=2))
     else:
-        stdout.print(summary_table(summary))
+        stdout.print(summary_table(summary, attention))
+
+
+def measure_attention(model, data, order, records, eps, settings, device, batch_size):
+    """The attention report on the certified samples. The real model's verdicts are LoFAST's
+    own, read from the records (a sample only a fallback certified counts as not certified):
+    the ablated model is certified by LoFAST alone, so both sides are compared alike."""
+    import torch
+
+    from lofast.attention_report import attention_report
+    from lofast.cli.progress import phase_progress
+    from lofast.report import eps_key
+
+    by_index = {r.index: r for r in records}
+    chosen = [int(i) for i in order]
+    lofast_verdicts = torch.tensor(
+        [[by_index[i].verifiers.get(eps_key(e)) == "lofast" for e in eps] for i in chosen],
+        dtype=torch.bool).reshape(len(chosen), len(eps))
+    x, y = data.subset(chosen).to_tensors()
+    with phase_progress(console) as progress:
+        return attention_report(model, x, y, eps=eps, settings=settings,
+                                certified=lofast_verdicts, batch_size=batch_size,
+                                device=device, progress=progress)
 
 
 def run_fallback(model, images, records, eps, method, timeout) -> None:
