@@ -9,12 +9,14 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
 from lofast.errors import LofastError
 
+if TYPE_CHECKING:
+    from lofast.attention_report import AttentionReport
 
 def eps_key(eps: float) -> str:
     """The text form of an eps value used as a JSON key: the shortest decimal that reads back
@@ -329,9 +331,11 @@ def summary_rows(summary: Summary) -> dict[str, str]:
     return rows
 
 
-def summary_table(*summaries: Summary, names: Sequence[str] | None = None) -> Table:
+def summary_table(*summaries: Summary, names: Sequence[str] | None = None,
+                  attention: AttentionReport | None = None) -> Table:
     """One summary as a two-column table, or several side by side (one column per run, named
-    by `names`; a quantity a run lacks shows as -)."""
+    by `names`; a quantity a run lacks shows as -); with ``attention`` (one summary), the
+    attention ablation's rows follow."""
     table = Table(title="lofast certification", show_header=True, header_style="bold")
     table.add_column("quantity")
     names = names or ["value"] * len(summaries)
@@ -341,4 +345,53 @@ def summary_table(*summaries: Summary, names: Sequence[str] | None = None) -> Ta
         table.add_column(name, justify="right")
     for label in labels:
         table.add_row(label, *(r.get(label, "-") for r in rows))
+    if attention is not None:
+        for quantity, value in ablation_rows(attention):
+            table.add_row(quantity, value)
+    return table
+
+
+def ablation_rows(report: AttentionReport) -> list[tuple[str, str]]:
+    """(quantity, value) rows: how large the scores' weights are, how far attention strays from
+    its mean, and what replacing it by its mean costs."""
+    rows = [
+        ("attention: max ||Wq_l Wk_l^T|| (/ s)",
+         f"{report.max_score_norm:.3g} ({report.max_score_norm_over_scale:.3g})"),
+        ("attention: TV to mean attention, max head mean / max",
+         f"{report.max_mean_tv:.3g} / {report.max_tv:.3g}"),
+        ("ablated attention: clean accuracy", f"{report.ablated_clean_accuracy:.2%}"),
+        ("attention_ablation_drop", f"{report.attention_ablation_drop:.2f} points"),
+        ("ablated attention: predictions changed", f"{report.changed_predictions:.2%}"),
+    ]
+    for key, value in report.ablated_certified_accuracy.items():
+        rows.append((f"ablated attention: certified @ eps={key}",
+                     f"{value:.2%} (drop {report.certified_ablation_drop[key]:.2f} points)"))
+    rows.append(("attention report time", f"{report.seconds:.2f} s"))
+    return rows
+
+
+def attention_table(report: AttentionReport) -> Table:
+    """One row per attention block and head: ||A_l||, ||A_l|| / s, TV to the mean attention."""
+    table = Table(title=f"attention on {report.samples} samples", header_style="bold")
+    for column in ("block", "stage", "head", "||A_l||", "||A_l|| / s", "TV mean", "TV max"):
+        table.add_column(column, justify="right")
+    for h in report.heads:
+        table.add_row(str(h.block), str(h.stage), str(h.head), f"{h.score_norm:.3g}",
+                      f"{h.score_norm_over_scale:.3g}", f"{h.tv_mean:.3g}", f"{h.tv_max:.3g}")
+    return table
+
+
+def ablation_table(report: AttentionReport) -> Table:
+    """The real model against the one whose attention is replaced by its data mean."""
+    table = Table(title="attention ablation: every P_l(X) replaced by its mean over the data",
+                  header_style="bold")
+    for column in ("quantity", "real", "ablated", "drop (points)"):
+        table.add_column(column, justify="right")
+    table.add_row("clean accuracy", f"{report.clean_accuracy:.2%}",
+                  f"{report.ablated_clean_accuracy:.2%}", f"{report.attention_ablation_drop:.2f}")
+    for key, value in report.certified_accuracy.items():
+        table.add_row(f"certified @ eps={key}", f"{value:.2%}",
+                      f"{report.ablated_certified_accuracy[key]:.2%}",
+                      f"{report.certified_ablation_drop[key]:.2f}")
+    table.add_row("predictions changed", "", f"{report.changed_predictions:.2%}", "")
     return table

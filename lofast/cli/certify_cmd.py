@@ -58,6 +58,23 @@ class Shard(click.ParamType):
         return index, count
 
 
+def load_samples(model, meta, data_path, dataset, split, limit):
+    """(data, order): the data set (the bundled sample when data_path is None, else the one at
+    data_path, of kind `dataset` or the checkpoint's) and the indices to evaluate, the first
+    `limit` of the class-balanced order (all when None). Refuses images of another shape or
+    classes other than the checkpoint's."""
+    from lofast.checkpoint import check_data_fits
+    from lofast.data import load_dataset
+    from lofast.data.sample import class_balanced_order, load_bundled_sample
+
+    if data_path is None:
+        data = load_bundled_sample()
+    else:
+        data = load_dataset(data_path, split, dataset or meta.get("dataset"))
+    check_data_fits(model, meta, data)
+    return data, class_balanced_order(data.labels)[:limit]
+
+
 @click.command()
 @click.option("--checkpoint", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Model to certify (default: the shipped default checkpoint).")
@@ -117,10 +134,16 @@ class Shard(click.ParamType):
                    "torchrun every rank takes its part itself (--out gets .rankIofN per rank) "
                    "and rank 0 prints the merged summary and writes the merged --out.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@click.option("--attention-report", is_flag=True,
+              help="Also measure attention on the same samples: ||Wq_l Wk_l^T|| and how far "
+                   "P_l(X) strays from its mean per head, and the attention ablation (every "
+                   "P_l(X) replaced by its mean over the samples), certified at the same --eps "
+                   "with the same settings and compared with LoFAST's own verdicts on the real "
+                   "model (JSON key 'attention').")
 def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size, device,
             bound, softmax_jacobian, kappa, guarantee, fallback, fallback_timeout, attack,
             attack_steps, attack_restarts, attack_box, save_adversarial, seed, out,
-            resume, shard, as_json) -> None:
+            resume, shard, as_json, attention_report) -> None:
     """Certify l2 robustness of every sample with the LoFAST bound."""
     import torch
     from rich.progress import (
@@ -135,15 +158,12 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
     from lofast.bounds.spectral import SpectralMethod
     from lofast.certify import Certifier, CertifySettings
     from lofast.checkpoint import (
-        check_data_fits,
         default_checkpoint_path,
         file_digest,
         load_checkpoint,
         read_metadata,
     )
     from lofast.cli.progress import PlainProgress
-    from lofast.data import load_dataset
-    from lofast.data.sample import class_balanced_order, load_bundled_sample
     from lofast.distributed import gather_on_first, process_group, torchrun_rank
     from lofast.errors import LofastError
     from lofast.pipeline import AttackSettings, run_attack, run_fallback
@@ -186,12 +206,7 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
     checkpoint = checkpoint or default_checkpoint_path()
     model = load_checkpoint(checkpoint)
     meta = read_metadata(checkpoint)
-    if data_path is None:
-        data = load_bundled_sample()
-    else:
-        data = load_dataset(data_path, split, dataset or meta.get("dataset"))
-    check_data_fits(model, meta, data)
-    order = class_balanced_order(data.labels)[:limit]
+    data, order = load_samples(model, meta, data_path, dataset, split, limit)
     if shard is not None:
         order = order[shard[0]::shard[1]]
     eps = sorted(set(eps_values))
@@ -263,7 +278,36 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
         guarantee_text += f"; per-sample failure probability <= {failure_probability:.1e}"
     summary = summarize(records, eps, time.perf_counter() - started, guarantee_text,
                         settings.describe(), float(kappa), str(dev))
+    attention = None
+    if attention_report:
+        attention = measure_attention(model, data, [r.index for r in records], records, eps,
+                                      settings, dev, batch_size)
     if as_json:
-        click.echo(json.dumps(summary.to_dict(), indent=2))
+        result = summary.to_dict()
+        if attention is not None:
+            result["attention"] = attention.to_dict()
+        click.echo(json.dumps(result, indent=2))
     else:
-        stdout.print(summary_table(summary))
+        stdout.print(summary_table(summary, attention=attention))
+
+
+def measure_attention(model, data, order, records, eps, settings, device, batch_size):
+    """The attention report on the certified samples. The real model's verdicts are LoFAST's
+    own, read from the records (a sample only a fallback certified counts as not certified):
+    the ablated model is certified by LoFAST alone, so both sides are compared alike."""
+    import torch
+
+    from lofast.attention_report import attention_report
+    from lofast.cli.progress import phase_progress
+    from lofast.report import eps_key
+
+    by_index = {r.index: r for r in records}
+    chosen = [int(i) for i in order]
+    lofast_verdicts = torch.tensor(
+        [[by_index[i].verifiers.get(eps_key(e)) == "lofast" for e in eps] for i in chosen],
+        dtype=torch.bool).reshape(len(chosen), len(eps))
+    x, y = data.subset(chosen).to_tensors()
+    with phase_progress(console) as progress:
+        return attention_report(model, x, y, eps=eps, settings=settings,
+                                certified=lofast_verdicts, batch_size=batch_size,
+                                device=device, progress=progress)

@@ -1,4 +1,5 @@
-"""`lofast info`: a checkpoint's config, metadata and per-stage Lipschitz constants."""
+"""`lofast info`: a checkpoint's config, metadata and per-stage Lipschitz constants, and, on
+data, what its attention does (``lofast.attention_report``)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,55 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from lofast.cli.certify_cmd import GUARANTEES, PositiveFloat, default_batch_size
+
 stdout = Console(highlight=False)
+console = Console(stderr=True, highlight=False)
 
 
 @click.command()
 @click.argument("checkpoint", type=click.Path(path_type=Path, dir_okay=False))
-def info(checkpoint: Path) -> None:
-    """Show CHECKPOINT's model config, metadata and per-stage Lipschitz constants."""
+@click.option("--data", "data_path", type=click.Path(path_type=Path), default=None,
+              help="Also measure attention on this data set: per block and head "
+                   "||Wq_l Wk_l^T|| and the total variation between P_l(X) and its mean over "
+                   "the data, and the attention ablation (every P_l(X) replaced by that mean).")
+@click.option("--sample", is_flag=True,
+              help="Measure attention on the bundled sample of CIFAR-10 test images (the "
+                   "first 50 of every class) instead of --data.")
+@click.option("--dataset", type=click.Choice(["cifar10", "svhn", "folder"]), default=None,
+              help="Data set kind (default: the checkpoint's).")
+@click.option("--split", type=click.Choice(["test", "train"]), default="test", show_default=True)
+@click.option("--n", "limit", type=click.IntRange(min=1), default=None,
+              help="Measure on the first N samples of the class-balanced order (default: all).")
+@click.option("--eps", "eps_values", type=PositiveFloat(), multiple=True,
+              help="Also certify the real and the ablated model at this l2 radius, e.g. 0.05 or "
+                   "36/255 (repeatable), with the settings `lofast certify` uses by default "
+                   "(LoFAST bound, kappa 1/2, --guarantee exact).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Samples per batch (default: as `lofast certify`).")
+@click.option("--device", default="auto", show_default=True)
+def info(checkpoint: Path, data_path, sample, dataset, split, limit, eps_values, batch_size,
+         device) -> None:
+    """Show CHECKPOINT's model config, metadata and per-stage Lipschitz constants.
+
+    With --data or --sample, also show what attention does on that data: per block and head,
+    ||Wq_l Wk_l^T|| and how far P_l(X) strays from its mean, and the attention ablation, the
+    model with every P_l(X) replaced by its mean (clean accuracy, predictions changed, and with
+    --eps certified accuracy of both models).
+    """
     from lofast.bounds.spectral import matrix_norm_upper
     from lofast.certify import stage_lipschitz
     from lofast.checkpoint import load_checkpoint, read_metadata
+    from lofast.errors import LofastError
     from lofast.models.structure import AttentionSpec
 
+    measuring = data_path is not None or sample
+    if data_path is not None and sample:
+        raise LofastError("give --data or --sample, not both")
+    split_given = (click.get_current_context().get_parameter_source("split")
+                   is click.core.ParameterSource.COMMANDLINE)
+    if not measuring and (eps_values or limit or dataset or split_given or batch_size):
+        raise LofastError("--eps, --n, --dataset, --split and --batch-size need --data or --sample")
     model = load_checkpoint(checkpoint)
     meta = read_metadata(checkpoint)
     config = meta.pop("model_config")
@@ -46,3 +84,32 @@ def info(checkpoint: Path) -> None:
         table.add_row(str(i), type(spec).__name__.removesuffix("Spec"),
                       "local (LoFAST)" if constant is None else f"{constant:.6g}", notes)
     stdout.print(table)
+    if measuring:
+        show_attention(model, meta, data_path, dataset, split, limit, eps_values, batch_size,
+                       device)
+
+
+def show_attention(model, meta, data_path, dataset, split, limit, eps_values, batch_size,
+                   device) -> None:
+    """Measure attention on the data (the bundled sample when data_path is None) and print the
+    per-head table and the ablation."""
+    from lofast.attention_report import attention_report
+    from lofast.bounds.spectral import SpectralMethod
+    from lofast.certify import CertifySettings
+    from lofast.cli.certify_cmd import load_samples
+    from lofast.cli.progress import phase_progress
+    from lofast.report import ablation_table, attention_table
+    from lofast.train import resolve_device
+
+    dev = resolve_device(device)
+    settings = CertifySettings(method=SpectralMethod(kind=GUARANTEES["exact"]))
+    data, order = load_samples(model, meta, data_path, dataset, split, limit)
+    x, y = data.subset(order).to_tensors()
+    with phase_progress(console) as progress:
+        report = attention_report(model, x, y, eps=sorted(set(eps_values)), settings=settings,
+                                  batch_size=batch_size or default_batch_size(dev), device=dev,
+                                  progress=progress)
+    stdout.print(attention_table(report))
+    stdout.print(ablation_table(report))
+    stdout.print(f"attention report: {report.samples} samples ({data.name}, {split}) in "
+                 f"{report.seconds:.1f} s")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 
 from rich.console import Console
 
@@ -26,3 +28,24 @@ class PlainProgress:
         if self.enabled and now - self.last >= PLAIN_PROGRESS_SECONDS:
             self.last = now
             self.console.print(text, soft_wrap=True, markup=False)
+
+
+@contextlib.contextmanager
+def phase_progress(console: Console) -> Iterator[Callable[[str, int, int], None]]:
+    """A callback progress(phase, done, total) for library passes over a data set: a bar per
+    phase on a terminal, plain lines (as PlainProgress) elsewhere."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    plain = PlainProgress(console)
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn()]
+    with Progress(*columns, console=console, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def update(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=total)
+            bar.update(tasks[phase], completed=done)
+            plain(f"{phase}: {done}/{total} samples")
+
+        yield update
