@@ -77,9 +77,10 @@ def main() -> None:
     for name, config in configs.items():
         step = seconds_per_step(config, initial, device, args.steps)
         rows[name] = {"ms_per_step": 1e3 * step,
+                      "images_per_second": args.batch_size / step,
                       "seconds_per_epoch": step * EPOCH_IMAGES / args.batch_size}
-        print(f"{name:26s} {1e3 * step:8.1f} ms/step  {rows[name]['seconds_per_epoch']:7.1f} "
-              "s/epoch", flush=True)
+        print(f"{name:26s} {1e3 * step:8.1f} ms/step  {args.batch_size / step:8.0f} img/s  "
+              f"{rows[name]['seconds_per_epoch']:7.1f} s/epoch", flush=True)
     ratio = rows["certified"]["ms_per_step"] / rows["ce"]["ms_per_step"]
     unrefined = rows["certified, no refinement"]["ms_per_step"] / rows["ce"]["ms_per_step"]
     print(f"certified / plain: {ratio:.2f}x (without the refinement: {unrefined:.2f}x)")
