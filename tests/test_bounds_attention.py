@@ -652,7 +652,7 @@ def test_verified_zeta_takes_the_better_bound_per_sample(monkeypatch, deflated):
         assert sizes == [1]
         assert lanczos_samples == {1: 6}
     else:
-        assert sizes == [1, 3]  # the reference (for the deflation), then the peaked samples
+        assert sizes == [1, 1, 3]  # the reference (both deflations), then the peaked samples
         # (the Gram path starts with its own Rayleigh quotient on the samples it gets)
         assert lanczos_samples == {1: 6 + 3, VERIFIED.estimate_steps: 3}
 

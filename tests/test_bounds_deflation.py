@@ -161,3 +161,27 @@ def test_unverifiable_samples_get_infinity():
     assert math.isfinite(upper[0]) and upper[1] == math.inf
     with pytest.raises(ValueError, match="do not match"):
         deflated_norm_bound(Y[:, :1], Z, deflation, zero, three, r.expand(2))
+
+
+def test_an_unproven_complement_bounds_nothing(monkeypatch):
+    # a deflation whose Cholesky proof fails gives +inf, never an unproven number
+    from lofast.bounds import deflation as module
+
+    def fail(*args, **kwargs):
+        raise ValueError("could not verify")
+
+    monkeypatch.setattr(module, "verified_norm_from_negated_gram", fail)
+    T, _, _ = operator(20, [2.0, 1.5], seed=13)
+    deflation = reference_deflation(T)
+    assert deflation.complement == math.inf
+    upper, _ = bound(T, deflation, 0.0)
+    assert upper[0] == math.inf
+
+
+def test_a_nearly_null_complement():
+    # deflating all but one direction of a rank-deficient reference: the complement's top
+    # eigenvalue is 0 up to rounding, and its proof must not fail on that noise
+    T, _, _ = operator(12, [2.0, 1.5, 1.0] + [0.0] * 9, seed=14)
+    gram, error = gram_with_error(T[None])
+    deflation = deflate_gram(-gram[0], float(error[0]), count=11)
+    assert deflation.size == 11 and 0.0 <= deflation.complement < 1e-5

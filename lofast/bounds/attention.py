@@ -76,7 +76,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lofast.bounds.deflation import Deflation, deflate_gram
+from lofast.bounds.deflation import LARGE_DEFLATION, Deflation, deflate_gram
 from lofast.bounds.near_reference import (
     JacobianData,
     deflated_first_order_bound,
@@ -253,14 +253,15 @@ class AttentionWeights:
         return torch.cat(columns, dim=1).contiguous(), _f64(self.output).reshape(-1, d)
 
     @functools.cached_property
-    def _deflations(self) -> dict[int, Deflation]:
+    def _deflations(self) -> dict[tuple[int, bool], Deflation]:
         return {}
 
-    def deflation(self, tokens: int) -> Deflation:
+    def deflation(self, tokens: int, large: bool = False) -> Deflation:
         """``deflation.deflate_gram`` of the reference T_R for ``tokens`` tokens (R_l, or
         fl(1/n) for U, whose rounding the deviation bound covers), complement in the units of
-        T_R; computed once per token count (from the Kronecker Gram of the verified zeta)."""
-        if tokens not in self._deflations:
+        T_R; with ``large``, of size LARGE_DEFLATION. Computed once per token count and size
+        (from the Kronecker Gram of the verified zeta)."""
+        if (tokens, large) not in self._deflations:
             f = self.first_order_factors
             reference = self.reference_probabilities
             if reference is None:
@@ -268,10 +269,11 @@ class AttentionWeights:
                                        dtype=torch.float64, device=self.value.device)
             negated, error = first_order_negated_gram(reference[None], f)
             deflation = deflate_gram(negated[0], float(error[0]),
-                                     _first_order_gram(reference[None], f))
-            self._deflations[tokens] = dataclasses.replace(
+                                     _first_order_gram(reference[None], f),
+                                     LARGE_DEFLATION if large else None)
+            self._deflations[tokens, large] = dataclasses.replace(
                 deflation, complement=deflation.complement * f.unit)
-        return self._deflations[tokens]
+        return self._deflations[tokens, large]
 
 
 @dataclass(frozen=True)
@@ -461,10 +463,11 @@ def _verified_near_reference(X: Tensor, probs: Tensor, x_query: Tensor, x_key: T
     method's slack of the Rayleigh quotient at ``reference_first_order``'s direction, or where
     the cheap ||D_X|| is not negligible (SOFTMAX_NEGLIGIBLE), get the deflated bound: on
     ||T_X + D_X|| with the refinement (which also bounds zeta <= ||T_X + D_X|| + ||D_X||), on
-    ||T_X|| without. Only where that bound is not within JACOBIAN_SLACK (with the refinement)
-    or the method's slack (without) of its Rayleigh-Ritz estimate, the Kronecker Gram's
-    Cholesky proof (``verified_first_order_norm``) and, with the refinement, the verified
-    ||D_X|| follow, as without the near-reference bounds. near: the near-reference bound."""
+    ||T_X|| without. Where that bound is not within JACOBIAN_SLACK (with the refinement) or the
+    method's slack (without) of its Rayleigh-Ritz estimate, the deflation of size
+    LARGE_DEFLATION is tried; only where that one is not either, the Kronecker Gram's Cholesky
+    proof (``verified_first_order_norm``) and, with the refinement, the verified ||D_X||
+    follow, as without the near-reference bounds. near: the near-reference bound."""
     n = X.shape[1]
     f = w.first_order_factors
     reference = w.reference_probabilities
@@ -489,21 +492,24 @@ def _verified_near_reference(X: Tensor, probs: Tensor, x_query: Tensor, x_key: T
     if not bool(rows.any()):
         return zeta, softmax, jacobian
     projections, output = w.jacobian_weights
-    data = JacobianData(probs=probs[rows], x_query=x_query[rows], x_key=x_key[rows],
-                        x_value=x_value[rows], projections=projections, output=output,
-                        residual=1.0 if w.residual else 0.0, scale=float(w.scale))
-    bound, ritz = deflated_first_order_bound(data, w.deflation(n), reference_norm,
-                                             deviation[rows],
-                                             None if softmax is None else softmax[rows])
-    loose = torch.zeros_like(rows)
-    if softmax is None:
-        zeta[rows] = torch.minimum(zeta[rows], bound)
-        loose[rows] = ~settled[rows] & ~(zeta[rows] <= ritz * slack)
-    else:
-        # ||T_X|| <= ||T_X + D_X|| + ||D_X||
-        zeta[rows] = torch.minimum(zeta[rows], bound + softmax[rows])
-        jacobian[rows] = torch.minimum(jacobian[rows], bound)
-        loose[rows] = ~(bound <= ritz * (1.0 + JACOBIAN_SLACK))
+    loose = rows.clone()
+    for large in (False, True):  # the larger deflation only for samples the first leaves loose
+        if large and (not bool(loose.any()) or w.deflation(n).size >= LARGE_DEFLATION):
+            break
+        data = JacobianData(probs=probs[loose], x_query=x_query[loose], x_key=x_key[loose],
+                            x_value=x_value[loose], projections=projections, output=output,
+                            residual=1.0 if w.residual else 0.0, scale=float(w.scale))
+        bound, ritz = deflated_first_order_bound(data, w.deflation(n, large), reference_norm,
+                                                 deviation[loose],
+                                                 None if softmax is None else softmax[loose])
+        if softmax is None:
+            zeta[loose] = torch.minimum(zeta[loose], bound)
+            loose[loose.clone()] = ~settled[loose] & ~(zeta[loose] <= ritz * slack)
+        else:
+            # ||T_X|| <= ||T_X + D_X|| + ||D_X||
+            zeta[loose] = torch.minimum(zeta[loose], bound + softmax[loose])
+            jacobian[loose] = torch.minimum(jacobian[loose], bound)
+            loose[loose.clone()] = ~(bound <= ritz * (1.0 + JACOBIAN_SLACK))
     if bool(loose.any()):
         zeta[loose] = verified_first_order_norm(probs[loose], f, method, known=zeta[loose],
                                                 along=along)

@@ -53,6 +53,10 @@ from lofast.bounds.spectral import (
 DEFLATION_SIZES = (8, 16, 24, 32)
 DEFLATION_GAP = 0.05
 
+# The size of a second, larger deflation, for callers to try where the first is not tight
+# enough (a reference whose top singular values decay slowly).
+LARGE_DEFLATION = 128
+
 # Lanczos steps for the reference's top Ritz pairs (per vector of the largest size, plus a few),
 # and for the estimate of the complement's top eigenvalue.
 RITZ_STEPS_PER_VECTOR = 3
@@ -87,15 +91,16 @@ class Deflation:
         return self.basis.shape[1]
 
 
-def deflate_gram(negated: Tensor, gram_error: float,
-                 gram: LinearMap | None = None) -> Deflation:
+def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = None,
+                 count: int | None = None) -> Deflation:
     """Deflation of a reference T_R given its Gram matrix explicitly.
 
     negated: (N, N) float64 whose lower triangle (with the diagonal) is that of -S, S symmetric
     with ||S - T_R^T T_R||_2 <= gram_error (the strict upper triangle is not read; it is not
     modified). gram: optionally T_R^T T_R as a cheaper matrix-free map (1, N) -> (1, N) for the
     Lanczos estimates (by default products with S). The basis holds Lanczos estimates of the
-    top eigenvectors (k from ``DEFLATION_SIZES``); only tightness depends on their accuracy.
+    top eigenvectors (k from ``DEFLATION_SIZES``, or ``count``, at most N - 1); only tightness
+    depends on their accuracy.
 
     complement: the square root of a Cholesky-verified upper bound
     (``spectral.verified_norm_from_negated_gram``) on lambda_max(S') with
@@ -114,19 +119,19 @@ def deflate_gram(negated: Tensor, gram_error: float,
     if gram is None:
         def gram(q: Tensor) -> Tensor:
             return q @ S
-    largest = min(max(DEFLATION_SIZES), size - 1)
+    largest = min(max(DEFLATION_SIZES) if count is None else count, size - 1)
     steps = min(size, RITZ_STEPS_PER_VECTOR * largest + 20)
     values, vectors = lanczos_ritz_vectors(gram, fixed_unit_vector(size, device)[None], steps,
                                            min(largest + 1, steps))
     values, vectors = values[0], vectors[0]
     top = float(values[0].clamp_min(0.0))
-    count = largest
-    for candidate in DEFLATION_SIZES:
+    chosen = largest
+    for candidate in DEFLATION_SIZES if count is None else ():
         if candidate < min(largest, len(values) - 1) and \
                 float(values[candidate]) <= (1.0 - DEFLATION_GAP) ** 2 * top:
-            count = candidate
+            chosen = candidate
             break
-    count = min(count, len(values) - 1, size - 1)
+    count = min(chosen, len(values) - 1, size - 1)
     basis = torch.linalg.qr(vectors[:count].mT).Q.contiguous()  # (N, k)
     frobenius = float(torch.linalg.vector_norm(basis)) * (1.0 + 2.0 ** -40)
     # ||V^T V - I||_2 <= ||fl(V^T V) - I||_F + gamma_N ||V||_F^2 (rounding of the product)
@@ -146,11 +151,16 @@ def deflate_gram(negated: Tensor, gram_error: float,
         return gram(q) - shift * ((q @ basis) @ basis.mT)
 
     start = fixed_unit_vector(size, device)[None]
+    # floored well above the rounding noise of S' (where the complement is nearly null)
     estimate = lanczos_ritz(deflated_gram, start, min(COMPLEMENT_LANCZOS_STEPS, size))
-    complement = verified_norm_from_negated_gram(
-        deflated[None], relative_slack=COMPLEMENT_SLACK,
-        gram_error=torch.tensor([error], dtype=torch.float64, device=device),
-        estimate=estimate, lower_only=True)[0]
+    estimate = estimate.clamp_min(2.0 ** -40 * shift)
+    try:
+        complement = verified_norm_from_negated_gram(
+            deflated[None], relative_slack=COMPLEMENT_SLACK,
+            gram_error=torch.tensor([error], dtype=torch.float64, device=device),
+            estimate=estimate, lower_only=True)[0]
+    except ValueError:  # no proof: a deflation that bounds nothing (every bound is then +inf)
+        complement = torch.tensor(math.inf, dtype=torch.float64, device=device)
     return Deflation(basis=basis, orthogonality=eta, complement=complement,
                      ritz=values[: count + 1].clone())
 
@@ -197,11 +207,12 @@ def deflated_norm_bound(Y: Tensor, Z: Tensor, deflation: Deflation, deviation: T
     e_s = gamma(size) * c_f.square() + e_c * (2.0 * c_f + e_c)
     K = _symmetric(Y @ Y.mT)
     S = _symmetric(projected @ projected.mT)
-    finite = (torch.isfinite(K).flatten(1).all(dim=1) & torch.isfinite(S).flatten(1).all(dim=1)
-              & torch.isfinite(e_k) & torch.isfinite(e_s))
-    K, S = (torch.where(finite[:, None, None], t, 0.0) for t in (K, S))  # eigensolvers need it
-    ritz = torch.where(finite, torch.linalg.eigvalsh(K)[:, -1].clamp_min(0.0).sqrt(), math.nan)
     c = ((deflation.complement + deviation) * inflate).square() * inflate  # >= c exactly
+    finite = (torch.isfinite(K).flatten(1).all(dim=1) & torch.isfinite(S).flatten(1).all(dim=1)
+              & torch.isfinite(e_k) & torch.isfinite(e_s) & torch.isfinite(c))
+    K, S = (torch.where(finite[:, None, None], t, 0.0) for t in (K, S))  # eigensolvers need it
+    c = torch.where(finite, c, 0.0)
+    ritz = torch.where(finite, torch.linalg.eigvalsh(K)[:, -1].clamp_min(0.0).sqrt(), math.nan)
     # the smallest t: top eigenvalue of [[K, S^(1/2)], [S^(1/2), c I]] (an estimate)
     values, vectors = torch.linalg.eigh(S)
     root = (vectors * values.clamp_min(0.0).sqrt()[:, None, :]) @ vectors.mT
