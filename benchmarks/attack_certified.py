@@ -4,6 +4,10 @@ attack has teeth). Prints the counts and writes JSON; exits 1 if a certified sam
 
     python benchmarks/attack_certified.py [--checkpoint CKPT] [--data PATH] [--n 200]
         [--guarantee exact] [--steps 100] [--restarts 3] [--beyond 3] [--out attack_certified.json]
+        [--live-attention K [--seed 0]]
+
+--live-attention K attacks the checkpoint with attention switched on as in
+``bench_certify.py --live-attention K`` (``live_attention.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from live_attention import with_live_attention  # beside this script
 
 from lofast.attack import pgd_l2
 from lofast.bounds.spectral import SpectralMethod
@@ -34,10 +40,16 @@ def main() -> None:
     parser.add_argument("--beyond", type=float, default=3.0,
                         help="also attack at this multiple of the radius")
     parser.add_argument("--out", default="attack_certified.json")
+    parser.add_argument("--live-attention", type=float, default=None, metavar="K",
+                        help="switch attention on: ||A_l|| / s = K in every block")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --live-attention")
     args = parser.parse_args()
 
     checkpoint = args.checkpoint or default_checkpoint_path()
-    model = load_checkpoint(checkpoint).double().eval()
+    model = load_checkpoint(checkpoint)
+    if args.live_attention is not None:
+        model = with_live_attention(model, args.live_attention, args.seed)
+    model = model.double().eval()
     data = load_dataset(args.data, "test") if args.data else load_bundled_sample()
     x, y = data.subset(class_balanced_order(data.labels)[: args.n]).to_tensors()
     settings = CertifySettings(method=SpectralMethod(kind=GUARANTEES[args.guarantee]))
@@ -47,7 +59,9 @@ def main() -> None:
     xs, ys, rs = x[chosen].double(), y[chosen], radius[chosen]
     inside = pgd_l2(model, xs, ys, 0.999 * rs, steps=args.steps, restarts=args.restarts)
     outside = pgd_l2(model, xs, ys, args.beyond * rs, steps=args.steps, restarts=args.restarts)
-    report = {"checkpoint": str(checkpoint), "guarantee": args.guarantee, "images": len(y),
+    report = {"checkpoint": str(checkpoint), "live_attention": args.live_attention,
+              "seed": args.seed if args.live_attention is not None else None,
+              "guarantee": args.guarantee, "images": len(y),
               "certified": int(chosen.sum()),
               "mean_radius_of_certified": rs.mean().item() if len(rs) else 0.0,
               "broken_at_0.999_radius": int(inside.sum()),

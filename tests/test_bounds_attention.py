@@ -613,9 +613,13 @@ def test_verified_zeta_skips_the_gram_near_the_reference(monkeypatch, biased):
     assert (zeta >= exact).all() and (zeta <= exact * (1 + 2 * SLACK)).all()
 
 
-def test_verified_zeta_takes_the_better_bound_per_sample(monkeypatch):
+@pytest.mark.parametrize("deflated", [True, False], ids=["deflated", "gram"])
+def test_verified_zeta_takes_the_better_bound_per_sample(monkeypatch, deflated):
     # a batch mixing near-uniform and peaked attention (tokens of very different norms): only
-    # the peaked samples go through the Gram matrix, and every sample gets a tight bound
+    # the peaked samples need more than the Rayleigh quotient, and every sample gets a tight
+    # bound. They get the deflated bound of ``near_reference`` (the Gram matrix is formed once,
+    # for the reference's deflation); where that is not within the slack (forced here by a
+    # useless deflated bound), the Gram matrix of those samples and its Cholesky proof
     w = with_score_gain(make_weights(3, 12, 4, True, seed=47), 0.05)
     X = torch.cat([make_tokens(3, 5, 12, 0.1, seed=48), make_tokens(3, 5, 12, 30.0, seed=49)])
     exact = torch.linalg.matrix_norm(materialised_operator(X, w), ord=2)
@@ -633,12 +637,24 @@ def test_verified_zeta_takes_the_better_bound_per_sample(monkeypatch):
         lanczos_samples[steps] = lanczos_samples.get(steps, 0) + start.shape[0]
         return real_lanczos(gram, start, steps)
 
+    def useless(data, *args, **kwargs):
+        batch = data.probs.shape[0]
+        return (torch.full((batch,), math.inf, dtype=torch.float64),
+                torch.zeros(batch, dtype=torch.float64))
+
     monkeypatch.setattr(attention, "first_order_negated_gram", counting)
     monkeypatch.setattr(attention, "lanczos_ritz", counting_lanczos)
+    if not deflated:
+        monkeypatch.setattr(attention, "deflated_first_order_bound", useless)
     zeta = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
     assert (zeta >= exact).all() and (zeta <= exact * (1 + 2 * SLACK)).all()
-    assert sum(sizes) == 3
-    assert lanczos_samples == {1: 6, VERIFIED.estimate_steps: 3}
+    if deflated:
+        assert sizes == [1]
+        assert lanczos_samples == {1: 6}
+    else:
+        assert sizes == [1, 1, 3]  # the reference (both deflations), then the peaked samples
+        # (the Gram path starts with its own Rayleigh quotient on the samples it gets)
+        assert lanczos_samples == {1: 6 + 3, VERIFIED.estimate_steps: 3}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,12 +51,24 @@ sum_l ||E_l|| ||B_l|| of zeta (zeta >= ||T_R|| - sum_l ||E_l|| ||B_l||);
 ``attention_sensitivity`` uses it wherever it is within the verified method's slack of the
 Lanczos estimate, and the minimum of both elsewhere.
 
+Live attention near the reference (ours; ``bounds.near_reference`` and ``bounds.deflation``).
+When the scores depend on the input, the verified method bounds the first-order operator of the
+refined bound, the block's Jacobian T_X + D_X, directly: ||T_X + D_X - T_R|| is at most the
+head-structured deviation (a maximum over heads, not a sum) plus a cheap bound on ||D_X||, and
+with T_R's top right singular subspace and a Cholesky-verified bound on the rest (both once per
+block), k products with the Jacobian and k with its adjoint per sample bound its norm up to a
+term of second order in that deviation. The refinement's first-order coefficient is then the
+smaller of zeta + zeta_s and this bound (``AttentionSensitivity.jacobian``); the Gram matrices
+of zeta and of D_X are formed only for samples where the bound is not within JACOBIAN_SLACK of
+its Rayleigh-Ritz estimate.
+
 All quantities are float64 and computed once per sample; ``AttentionSensitivity.delta`` then
 evaluates the bound for any radii.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -64,6 +76,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lofast.bounds.deflation import LARGE_DEFLATION, Deflation, deflate_gram
+from lofast.bounds.near_reference import (
+    JacobianData,
+    deflated_first_order_bound,
+    head_deviation_bound,
+    softmax_first_order_bound,
+)
 from lofast.bounds.spectral import (
     Guarantee,
     LinearMap,
@@ -94,6 +113,11 @@ DEFAULT_METHOD = SpectralMethod()  # randomized Lanczos (frozen, safe to share)
 # The second-order refinement computes ||D_X|| only where its cheap upper bound exceeds this
 # fraction of zeta (below it, the refinement could change the bound by less than that fraction).
 SOFTMAX_NEGLIGIBLE = 1e-3
+
+# The verified method keeps the deflated bound on the Jacobian's norm (``near_reference``) where
+# it is within this relative slack of its Rayleigh-Ritz estimate, a lower estimate of that norm,
+# which is at most zeta + ||D_X||; elsewhere it computes both of those with Gram matrices.
+JACOBIAN_SLACK = 1e-2
 
 # The verified zeta works on explicit nd x nd Gram matrices (3.3 MB each for nd = 640). On a CPU
 # a chunk of samples should keep them in the last-level cache (2^22 elements = 32 MiB): the
@@ -209,6 +233,48 @@ class AttentionWeights:
         """The weights-only part of the verified zeta computation."""
         return first_order_factors(_f64(self.value), _f64(self.output), self.residual)
 
+    @functools.cached_property
+    def stacked_norms(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Deterministic upper bounds (||Wq||, ||Wk||, ||Wv||, ||Wo||) on the whole matrices
+        Wq = [Wq_1 ... Wq_h] (d, h dh), likewise Wk and Wv, and Wo = [Wo_1; ...; Wo_h]
+        (h dv, d), float64 scalars."""
+        d = self.width
+        side = [matrix_norm_upper(_f64(t).permute(1, 0, 2).reshape(d, -1))
+                for t in (self.query, self.key, self.value)]
+        return (*side, matrix_norm_upper(_f64(self.output).reshape(-1, d)))
+
+    @functools.cached_property
+    def jacobian_weights(self) -> tuple[Tensor, Tensor]:
+        """[Wv_1 .. Wv_h | Wq_1 .. Wq_h | Wk_1 .. Wk_h] (d, h (dv + 2 dh)) and
+        Wo = [Wo_1; ...; Wo_h] (h dv, d), float64: the weights of ``near_reference``'s products."""
+        d = self.value.shape[1]
+        columns = [_f64(t).permute(1, 0, 2).reshape(d, -1)
+                   for t in (self.value, self.query, self.key)]
+        return torch.cat(columns, dim=1).contiguous(), _f64(self.output).reshape(-1, d)
+
+    @functools.cached_property
+    def _deflations(self) -> dict[tuple[int, bool], Deflation]:
+        return {}
+
+    def deflation(self, tokens: int, large: bool = False) -> Deflation:
+        """``deflation.deflate_gram`` of the reference T_R for ``tokens`` tokens (R_l, or
+        fl(1/n) for U, whose rounding the deviation bound covers), complement in the units of
+        T_R; with ``large``, of size LARGE_DEFLATION. Computed once per token count and size
+        (from the Kronecker Gram of the verified zeta)."""
+        if (tokens, large) not in self._deflations:
+            f = self.first_order_factors
+            reference = self.reference_probabilities
+            if reference is None:
+                reference = torch.full((self.heads, tokens, tokens), 1.0 / tokens,
+                                       dtype=torch.float64, device=self.value.device)
+            negated, error = first_order_negated_gram(reference[None], f)
+            deflation = deflate_gram(negated[0], float(error[0]),
+                                     _first_order_gram(reference[None], f),
+                                     LARGE_DEFLATION if large else None)
+            self._deflations[tokens, large] = dataclasses.replace(
+                deflation, complement=deflation.complement * f.unit)
+        return self._deflations[tokens, large]
+
 
 @dataclass(frozen=True)
 class AttentionSensitivity:
@@ -229,6 +295,7 @@ class AttentionSensitivity:
     guarantee: Guarantee = Guarantee.DETERMINISTIC
     failure_probability: float = 0.0
     softmax_first_order: Tensor | None = None  # (B,) zeta_s >= ||D_X||: enables the refinement
+    jacobian: Tensor | None = None  # (B,) >= ||T_X + D_X||, used by the refinement if given
 
     def delta(self, eps: Tensor) -> Tensor:
         """Bound on ||F(X') - F(X)||_F over ||X' - X||_F <= eps.
@@ -252,8 +319,10 @@ class AttentionSensitivity:
         lipschitz = zeta * eps + (self.kappa / self.scale) * eps * second.sum(dim=-1)
         if self.softmax_first_order is None:
             return lipschitz
-        softmax = self.softmax_first_order[(slice(None), *extra)]
-        refined = (zeta + softmax) * eps + self.second_order_terms(eps)
+        linear = zeta + self.softmax_first_order[(slice(None), *extra)]  # >= ||T_X + D_X||
+        if self.jacobian is not None:
+            linear = torch.minimum(linear, self.jacobian[(slice(None), *extra)])
+        refined = linear * eps + self.second_order_terms(eps)
         return torch.minimum(lipschitz, refined)
 
     def second_order_terms(self, eps: Tensor) -> Tensor:
@@ -329,17 +398,27 @@ def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
     x_score_t = torch.einsum("bnd,hed->bhne", X, score_weights)  # X A_l^T; = ||A_l X^T||
 
     matrix_free = 0  # probabilistic / estimated norms per sample
+    if score_bound == "exact":
+        score = _score_norm(x_score, x_score_t, method, generator)
+        matrix_free += w.heads
+    else:
+        score = matrix_norm_upper(x_score_t) + matrix_norm_upper(x_score)
+
+    # ||D_X|| <= sum_l ||J_l|| m_l ||X B_l|| / s with ||J_l|| <= 1/2
+    softmax = (score * value_norm).sum(dim=1) / (2.0 * w.scale) if softmax_jacobian else None
+    jacobian = None
     if first_order == "lofast":
         reference = w.reference_probabilities
         reference_norm, reference_direction = w.reference_first_order
         near = near_reference_first_order_bound(
             probs, None if reference is None else reference.to(device), reference_norm.to(device),
             value_weight_norm)
-        if method.kind == "verified":
-            factors = (w.first_order_factors if same_device
-                       else first_order_factors(value, output, w.residual))
+        if method.kind == "verified" and same_device:
+            zeta, softmax, jacobian = _verified_near_reference(
+                X, probs, x_query, x_key, x_value, x_value_out, score, w, method, near, softmax)
+        elif method.kind == "verified":
             zeta = verified_first_order_norm(
-                probs, factors, method, known=near,
+                probs, first_order_factors(value, output, w.residual), method, known=near,
                 along=None if reference_direction is None else reference_direction.to(device))
         else:
             zeta = torch.minimum(near, _first_order_norm(X, probs, value, output, w.residual,
@@ -348,19 +427,12 @@ def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
     else:
         identity_norm = 1.0 if w.residual else 0.0
         zeta = identity_norm + (value_weight_norm * matrix_norm_upper(probs)).sum(dim=1)
-    if score_bound == "exact":
-        score = _score_norm(x_score, x_score_t, method, generator)
-        matrix_free += w.heads
-    else:
-        score = matrix_norm_upper(x_score_t) + matrix_norm_upper(x_score)
 
-    softmax = None
-    if softmax_jacobian:
-        # ||D_X|| <= sum_l ||J_l|| m_l ||X B_l|| / s with ||J_l|| <= 1/2; the operator norm is
-        # computed only where this cheap bound is not already negligible next to zeta
-        softmax = (score * value_norm).sum(dim=1) / (2.0 * w.scale)
+    if softmax is not None:
+        # the operator norm is computed only where the cheap bound is not already negligible
+        # next to zeta, and not at all where the Jacobian's norm was bounded directly
         rows = softmax > SOFTMAX_NEGLIGIBLE * zeta
-        if rows.any():
+        if jacobian is None and rows.any():
             exact = _softmax_first_order_norm(probs[rows], x_query[rows], x_key[rows],
                                               x_value_out[rows], query, key, score[rows],
                                               w.scale, method, generator)
@@ -374,7 +446,79 @@ def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
                                 score_weight_norm=score_weight_norm,
                                 value_weight_norm=value_weight_norm, scale=float(w.scale),
                                 kappa=float(kappa), guarantee=guarantee,
-                                failure_probability=failure, softmax_first_order=softmax)
+                                failure_probability=failure, softmax_first_order=softmax,
+                                jacobian=jacobian)
+
+
+def _verified_near_reference(X: Tensor, probs: Tensor, x_query: Tensor, x_key: Tensor,
+                             x_value: Tensor, x_value_out: Tensor, score: Tensor,
+                             w: AttentionWeights, method: SpectralMethod, near: Tensor,
+                             softmax: Tensor | None) -> tuple[Tensor, Tensor | None,
+                                                               Tensor | None]:
+    """zeta, zeta_s and the Jacobian bound (B,) each (the last two None without the
+    refinement) of the verified method, deterministic upper bounds.
+
+    First the bounds near the reference (``bounds.near_reference``): zeta <= ||T_R|| plus the
+    head-structured deviation, and the cheap ||D_X|| bound. Samples where zeta is not within the
+    method's slack of the Rayleigh quotient at ``reference_first_order``'s direction, or where
+    the cheap ||D_X|| is not negligible (SOFTMAX_NEGLIGIBLE), get the deflated bound: on
+    ||T_X + D_X|| with the refinement (which also bounds zeta <= ||T_X + D_X|| + ||D_X||), on
+    ||T_X|| without. Where that bound is not within JACOBIAN_SLACK (with the refinement) or the
+    method's slack (without) of its Rayleigh-Ritz estimate, the deflation of size
+    LARGE_DEFLATION is tried; only where that one is not either, the Kronecker Gram's Cholesky
+    proof (``verified_first_order_norm``) and, with the refinement, the verified ||D_X||
+    follow, as without the near-reference bounds. near: the near-reference bound."""
+    n = X.shape[1]
+    f = w.first_order_factors
+    reference = w.reference_probabilities
+    reference_norm, direction = w.reference_first_order
+    query_stacked, key_stacked, value_stacked, output_stacked = w.stacked_norms
+    deviation = head_deviation_bound(reference_deviation_norms(probs, reference),
+                                     w.weight_norms[1], value_stacked * output_stacked)
+    zeta = torch.minimum(near, reference_norm + deviation)
+    query, key = _f64(w.query), _f64(w.key)
+    if softmax is not None:
+        softmax = torch.minimum(softmax, softmax_first_order_bound(
+            X, probs, x_query, key, _f64(w.value), (query_stacked, key_stacked, output_stacked),
+            w.scale))
+    along = (f.direction / math.sqrt(n)).repeat(n) if direction is None else direction
+    slack = 1.0 + method.relative_slack
+    settled = zeta <= _first_order_estimate(probs, f, along, 1).clamp_min(0.0).sqrt() * (
+        slack * f.unit)
+    rows = ~settled
+    if softmax is not None:
+        rows = rows | (softmax > SOFTMAX_NEGLIGIBLE * zeta)
+    jacobian = None if softmax is None else zeta + softmax
+    if not bool(rows.any()):
+        return zeta, softmax, jacobian
+    projections, output = w.jacobian_weights
+    loose = rows.clone()
+    for large in (False, True):  # the larger deflation only for samples the first leaves loose
+        if large and (not bool(loose.any()) or w.deflation(n).size >= LARGE_DEFLATION):
+            break
+        data = JacobianData(probs=probs[loose], x_query=x_query[loose], x_key=x_key[loose],
+                            x_value=x_value[loose], projections=projections, output=output,
+                            residual=1.0 if w.residual else 0.0, scale=float(w.scale))
+        bound, ritz = deflated_first_order_bound(data, w.deflation(n, large), reference_norm,
+                                                 deviation[loose],
+                                                 None if softmax is None else softmax[loose])
+        if softmax is None:
+            zeta[loose] = torch.minimum(zeta[loose], bound)
+            loose[loose.clone()] = ~settled[loose] & ~(zeta[loose] <= ritz * slack)
+        else:
+            # ||T_X|| <= ||T_X + D_X|| + ||D_X||
+            zeta[loose] = torch.minimum(zeta[loose], bound + softmax[loose])
+            jacobian[loose] = torch.minimum(jacobian[loose], bound)
+            loose[loose.clone()] = ~(bound <= ritz * (1.0 + JACOBIAN_SLACK))
+    if bool(loose.any()):
+        zeta[loose] = verified_first_order_norm(probs[loose], f, method, known=zeta[loose],
+                                                along=along)
+        if softmax is not None:
+            softmax[loose] = torch.minimum(softmax[loose], _softmax_first_order_norm(
+                probs[loose], x_query[loose], x_key[loose], x_value_out[loose], query, key,
+                score[loose], w.scale, method, None))
+            jacobian[loose] = torch.minimum(jacobian[loose], zeta[loose] + softmax[loose])
+    return zeta, softmax, jacobian
 
 
 def _softmax_first_order_norm(probs: Tensor, x_query: Tensor, x_key: Tensor, x_value_out: Tensor,
@@ -630,10 +774,17 @@ def near_reference_first_order_bound(probs: Tensor, reference: Tensor | None,
 
     E_l is computed as fl(P_l - R_l) (R_l = fl(1/n) for U), off by at most u |E_l| + u (1 + u) / n
     per entry, so by at most gamma_2 (||E_l||_F + 1) in norm."""
+    return reference_norm + (reference_deviation_norms(probs, reference)
+                             * value_weight_norm).sum(dim=1)
+
+
+def reference_deviation_norms(probs: Tensor, reference: Tensor | None) -> Tensor:
+    """Deterministic upper bounds (B, h) on ||P_l - R_l||_2 for probs (B, h, n, n) and
+    reference R_l (h, n, n), or U = 1 1^T / n for None (see ``near_reference_first_order_bound``
+    for the rounding); they also bound ||P_l - fl(1/n)|| for U."""
     deviation = probs - (1.0 / probs.shape[-1] if reference is None else reference)
     rounding = gamma(2) * (torch.linalg.matrix_norm(deviation) * (1.0 + 2.0 ** -30) + 1.0)
-    deviation_norm = matrix_norm_upper(deviation) + rounding  # (B, h)
-    return reference_norm + (deviation_norm * value_weight_norm).sum(dim=1)
+    return matrix_norm_upper(deviation) + rounding
 
 
 def verified_reference_norm(reference: Tensor, f: FirstOrderFactors) -> tuple[Tensor, Tensor]:

@@ -518,6 +518,19 @@ def lanczos_ritz_pair(gram: LinearMap, start: Tensor, m: int) -> tuple[Tensor, T
     return values[:, -1].clamp_min(0.0), ritz
 
 
+def lanczos_ritz_vectors(gram: LinearMap, start: Tensor, m: int,
+                         count: int) -> tuple[Tensor, Tensor]:
+    """The ``count`` largest Ritz values (B, count), in descending order, and their unit Ritz
+    vectors (B, count, N) after m Lanczos steps (see ``lanczos_ritz``): estimates of the top
+    eigenpairs (count <= m), for deflation. No guarantee attaches to them."""
+    tridiagonal, basis = _lanczos(gram, start, m)
+    values, vectors = torch.linalg.eigh(tridiagonal)
+    top = vectors[..., -count:].flip(-1)  # (B, m, count)
+    ritz = top.mT @ basis  # (B, count, N)
+    ritz = ritz / torch.linalg.vector_norm(ritz, dim=-1, keepdim=True).clamp_min(1e-300)
+    return values[..., -count:].flip(-1), ritz
+
+
 def _lanczos(gram: LinearMap, start: Tensor, m: int) -> tuple[Tensor, Tensor]:
     """m Lanczos steps (see ``lanczos_ritz``): the tridiagonal matrices (B, m, m) and the bases
     (B, m, N)."""

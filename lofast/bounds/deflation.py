@@ -1,0 +1,244 @@
+"""Deterministic norm bounds for operators near a fixed reference, by deflation.
+
+Setting: linear maps J_b on R^N (one per sample, given matrix-free) that lie near one fixed
+reference operator T_R: ||J_b - T_R|| <= delta_b. The reference's top right singular subspace is
+found once, and the rest of T_R is bounded once with a Cholesky proof; per sample, k products
+with J_b and k with J_b^T then bound ||J_b|| to within a term of second order in delta_b, where
+the triangle inequality ||J_b|| <= ||T_R|| + delta_b is off by first order.
+
+Theorem (ours; a Schur-complement form of Rayleigh-Ritz). Let V (N, k) have range(V) = R,
+Gram matrix V^T V with ||V^T V - I|| <= eta < 1, and c >= sup ||J w||^2 over unit w orthogonal
+to R. With M = J^T J, K = (J V)^T (J V) (k x k), C = P M V (P the orthogonal projector onto the
+complement of R) and S = C^T C (k x k): for every t > c with
+
+    (t - c) (t (1 - eta) I - K) - S  positive semidefinite,                            (*)
+
+||J||^2 <= t. Proof: write a unit x = V a + w with w orthogonal to R, so
+1 = a^T V^T V a + ||w||^2 >= (1 - eta) ||a||^2 + ||w||^2. Then
+x^T M x = a^T K a + 2 w^T C a + ||J w||^2 <= a^T K a + 2 ||C a|| ||w|| + c ||w||^2, and
+2 ||C a|| ||w|| <= ||C a||^2 / (t - c) + (t - c) ||w||^2, so
+x^T M x <= a^T (K + S / (t - c)) a + t ||w||^2 <= t ((1 - eta) ||a||^2 + ||w||^2) <= t by (*).
+The smallest such t is the top eigenvalue of [[K, S^(1/2)], [S^(1/2), c I]]. If R holds T_R's
+top right singular vectors and J = T_R + E, then C = P (M - T_R^T T_R) V up to the accuracy of
+R, of order ||E||, and t exceeds the Rayleigh-Ritz value lambda_max(K) <= ||J||^2 by about
+||C||^2 / (||J||^2 - c): second order. For the complement, every unit w orthogonal to R has
+||J w|| <= ||T_R w|| + ||E|| <= c_R + delta with c_R^2 >= lambda_max(T_R^T T_R - g V V^T)
+for any g >= 0 (V^T w = 0), which ``deflate_gram`` proves once by Cholesky.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lofast.bounds.spectral import (
+    ROUNDING_MARGIN,
+    SUBNORMAL,
+    UNIT_ROUNDOFF,
+    LinearMap,
+    fixed_unit_vector,
+    gamma,
+    lanczos_ritz,
+    lanczos_ritz_vectors,
+    verified_norm_from_negated_gram,
+)
+
+# Candidate subspace sizes k, smallest first: the smallest after whose Ritz value the reference
+# spectrum has fallen by DEFLATION_GAP (relative, in singular values) is taken, else the largest.
+# The per-sample cost is linear in k; the bound is tight when the deviation ||J - T_R|| is
+# smaller than the gap between ||T_R|| and the complement.
+DEFLATION_SIZES = (8, 16, 24, 32)
+DEFLATION_GAP = 0.05
+
+# The size of a second, larger deflation, for callers to try where the first is not tight
+# enough (a reference whose top singular values decay slowly).
+LARGE_DEFLATION = 128
+
+# Lanczos steps for the reference's top Ritz pairs (per vector of the largest size, plus a few),
+# and for the estimate of the complement's top eigenvalue.
+RITZ_STEPS_PER_VECTOR = 3
+COMPLEMENT_LANCZOS_STEPS = 150
+
+# Relative slack of the complement's Cholesky proof: it enters the per-sample bound only through
+# c, whose excess over the true complement costs little once ||J||^2 - c is large.
+COMPLEMENT_SLACK = 1e-4
+
+# Relative increments of t (over the top eigenvalue of the (2k x 2k) matrix above) tried in turn
+# until (*) is verified with every rounding error accounted for.
+TRIAL_STEPS = (1e-9, 1e-7, 1e-5, 1e-3, 1e-1)
+
+
+@dataclass(frozen=True)
+class Deflation:
+    """A reference operator's top right singular subspace and a bound on the rest.
+
+    basis: V (N, k) float64, nearly orthonormal columns; orthogonality: eta >= ||V^T V - I||_2;
+    complement: a float64 scalar tensor c_R >= sup ||T_R w|| over unit w orthogonal to
+    range(V), a deterministic upper bound (in the units of the Gram matrix's square root);
+    ritz: (k + 1,) Ritz estimates of T_R's top squared singular values (information only).
+    """
+
+    basis: Tensor
+    orthogonality: float
+    complement: Tensor
+    ritz: Tensor
+
+    @property
+    def size(self) -> int:
+        return self.basis.shape[1]
+
+
+def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = None,
+                 count: int | None = None) -> Deflation:
+    """Deflation of a reference T_R given its Gram matrix explicitly.
+
+    negated: (N, N) float64 whose lower triangle (with the diagonal) is that of -S, S symmetric
+    with ||S - T_R^T T_R||_2 <= gram_error (the strict upper triangle is not read; it is not
+    modified). gram: optionally T_R^T T_R as a cheaper matrix-free map (1, N) -> (1, N) for the
+    Lanczos estimates (by default products with S). The basis holds Lanczos estimates of the
+    top eigenvectors (k from ``DEFLATION_SIZES``, or ``count``, at most N - 1); only tightness
+    depends on their accuracy.
+
+    complement: the square root of a Cholesky-verified upper bound
+    (``spectral.verified_norm_from_negated_gram``) on lambda_max(S') with
+    S' = T_R^T T_R - g V V^T, g a power of two >= 2 lambda_max(S) (estimated). S' is formed as
+    fl(-negated + fl(g fl(V V^T))) in the lower triangle, whose distance to the exact matrix is
+    at most gram_error + g gamma_k ||V||_F^2 (the product, Higham eq. 3.5)
+    + u (||S||_F + g (1 + gamma_k) ||V||_F^2) (the sum) + N^2 SUBNORMAL (underflow).
+    """
+    if negated.dim() != 2 or negated.shape[0] != negated.shape[1]:
+        raise ValueError(f"expected a square matrix (N, N), got {tuple(negated.shape)}")
+    size = negated.shape[0]
+    if size < 2:
+        raise ValueError("deflation needs a dimension of at least 2")
+    device = negated.device
+    S = -(torch.tril(negated) + torch.tril(negated, -1).mT)  # exactly symmetric
+    if gram is None:
+        def gram(q: Tensor) -> Tensor:
+            return q @ S
+    largest = min(max(DEFLATION_SIZES) if count is None else count, size - 1)
+    steps = min(size, RITZ_STEPS_PER_VECTOR * largest + 20)
+    values, vectors = lanczos_ritz_vectors(gram, fixed_unit_vector(size, device)[None], steps,
+                                           min(largest + 1, steps))
+    values, vectors = values[0], vectors[0]
+    top = float(values[0].clamp_min(0.0))
+    chosen = largest
+    for candidate in DEFLATION_SIZES if count is None else ():
+        if candidate < min(largest, len(values) - 1) and \
+                float(values[candidate]) <= (1.0 - DEFLATION_GAP) ** 2 * top:
+            chosen = candidate
+            break
+    count = min(chosen, len(values) - 1, size - 1)
+    basis = torch.linalg.qr(vectors[:count].mT).Q.contiguous()  # (N, k)
+    frobenius = float(torch.linalg.vector_norm(basis)) * (1.0 + 2.0 ** -40)
+    # ||V^T V - I||_2 <= ||fl(V^T V) - I||_F + gamma_N ||V||_F^2 (rounding of the product)
+    eye = torch.eye(count, dtype=torch.float64, device=device)
+    eta = (float(torch.linalg.vector_norm(basis.mT @ basis - eye)) * (1.0 + 2.0 ** -40)
+           + gamma(size + 2) * frobenius ** 2 + count * count * UNIT_ROUNDOFF)
+    if not eta < 1e-6:
+        raise ValueError(f"deflation basis is not orthonormal (||V^T V - I|| <= {eta:.3g})")
+    shift = math.ldexp(1.0, math.frexp(max(2.0 * top, 2.0 ** -500))[1])  # power of two >= 2 top
+    deflated = negated + shift * (basis @ basis.mT)  # lower triangle: -(S - g V V^T), rounded
+    error = (gram_error + shift * gamma(count) * frobenius ** 2
+             + UNIT_ROUNDOFF * (float(torch.linalg.vector_norm(S)) * (1.0 + gamma(size * size))
+                                + shift * (1.0 + gamma(count)) * frobenius ** 2)
+             + size * size * SUBNORMAL) * (1.0 + 2.0 ** -30)
+
+    def deflated_gram(q: Tensor) -> Tensor:
+        return gram(q) - shift * ((q @ basis) @ basis.mT)
+
+    start = fixed_unit_vector(size, device)[None]
+    # floored well above the rounding noise of S' (where the complement is nearly null)
+    estimate = lanczos_ritz(deflated_gram, start, min(COMPLEMENT_LANCZOS_STEPS, size))
+    estimate = estimate.clamp_min(2.0 ** -40 * shift)
+    try:
+        complement = verified_norm_from_negated_gram(
+            deflated[None], relative_slack=COMPLEMENT_SLACK,
+            gram_error=torch.tensor([error], dtype=torch.float64, device=device),
+            estimate=estimate, lower_only=True)[0]
+    except ValueError:  # no proof: a deflation that bounds nothing (every bound is then +inf)
+        complement = torch.tensor(math.inf, dtype=torch.float64, device=device)
+    return Deflation(basis=basis, orthogonality=eta, complement=complement,
+                     ritz=values[: count + 1].clone())
+
+
+def deflated_norm_bound(Y: Tensor, Z: Tensor, deflation: Deflation, deviation: Tensor,
+                        norm_bound: Tensor, rounding: Tensor) -> tuple[Tensor, Tensor]:
+    """Deterministic upper bounds on ||J_b|| (B,) by the theorem of the module docstring, and
+    the Rayleigh-Ritz estimates sqrt(lambda_max(K)) (B,) (at most ||J_b|| up to rounding).
+
+    Y: (B, k, N) the computed rows fl(J_b v_j) for the columns v_j of ``deflation.basis``;
+    Z: (B, k, N) the computed rows fl(J_b^T y_j) of those rows. deviation (B,):
+    delta_b >= ||J_b - T_R|| for the deflated reference T_R (in the units of
+    ``deflation.complement``); norm_bound (B,): nu_b >= ||J_b||; rounding (B,): r_b with
+    ||fl(J_b x) - J_b x|| <= r_b ||x|| and ||fl(J_b^T x) - J_b^T x|| <= r_b ||x|| for the
+    products that formed Y and Z. A sample whose condition (*) cannot be verified gets +inf.
+
+    Rounding. With e_Y = r ||V||_F: ||Y - J V||_F <= e_Y, ||Z - M V||_F <= e_Z = r ||Y||_F
+    + nu e_Y. K = fl(Y Y^T) is within e_K = gamma_N ||Y||_F^2 + e_Y (2 ||Y||_F + e_Y) of the
+    exact K; C = fl(Z - fl(Z V) V^T) within e_C = gamma_{N+k+1} (1 + ||V||_F^2) ||Z||_F + e_Z
+    + (1 + eta) eta / (1 - eta) (||Z||_F + e_Z) of the exact P M V (the last term: V^T V != I;
+    ||I - V V^T|| <= 1); S = fl(C C^T) within e_S = gamma_N ||C||_F^2 + e_C (2 ||C||_F + e_C).
+    Forming the matrix of (*) adds at most e_F = gamma_5 ((t - c)(t + ||K||_F) + ||S||_F), and
+    the symmetric eigensolver is backward stable (``spectral.ROUNDING_MARGIN``), so (*) holds
+    for the exact K, S if the computed smallest eigenvalue exceeds
+    ROUNDING_MARGIN ||A||_F + (t - c) e_K + e_S + e_F (Weyl).
+    """
+    V = deflation.basis
+    batch, count, size = Y.shape
+    if V.shape != (size, count) or Z.shape != Y.shape:
+        raise ValueError(f"products {tuple(Y.shape)}, {tuple(Z.shape)} do not match the "
+                         f"deflation basis {tuple(V.shape)}")
+    eta = deflation.orthogonality
+    inflate = 1.0 + 2.0 ** -40
+    basis_f = float(torch.linalg.vector_norm(V)) * inflate
+    y_f = torch.linalg.vector_norm(Y, dim=(1, 2)) * inflate
+    z_f = torch.linalg.vector_norm(Z, dim=(1, 2)) * inflate
+    e_y = rounding * basis_f
+    e_z = rounding * y_f + norm_bound * e_y
+    e_k = gamma(size) * y_f.square() + e_y * (2.0 * y_f + e_y)
+    projected = Z - (Z @ V) @ V.mT  # rows of (P M V)^T
+    c_f = torch.linalg.vector_norm(projected, dim=(1, 2)) * inflate
+    e_c = (gamma(size + count + 1) * (1.0 + basis_f ** 2) * z_f + e_z
+           + (1.0 + eta) * eta / (1.0 - eta) * (z_f + e_z))
+    e_s = gamma(size) * c_f.square() + e_c * (2.0 * c_f + e_c)
+    K = _symmetric(Y @ Y.mT)
+    S = _symmetric(projected @ projected.mT)
+    c = ((deflation.complement + deviation) * inflate).square() * inflate  # >= c exactly
+    finite = (torch.isfinite(K).flatten(1).all(dim=1) & torch.isfinite(S).flatten(1).all(dim=1)
+              & torch.isfinite(e_k) & torch.isfinite(e_s) & torch.isfinite(c))
+    K, S = (torch.where(finite[:, None, None], t, 0.0) for t in (K, S))  # eigensolvers need it
+    c = torch.where(finite, c, 0.0)
+    ritz = torch.where(finite, torch.linalg.eigvalsh(K)[:, -1].clamp_min(0.0).sqrt(), math.nan)
+    # the smallest t: top eigenvalue of [[K, S^(1/2)], [S^(1/2), c I]] (an estimate)
+    values, vectors = torch.linalg.eigh(S)
+    root = (vectors * values.clamp_min(0.0).sqrt()[:, None, :]) @ vectors.mT
+    eye = torch.eye(count, dtype=torch.float64, device=Y.device).expand(batch, -1, -1)
+    joint = torch.cat([torch.cat([K, root], dim=2), torch.cat([root, c[:, None, None] * eye],
+                                                               dim=2)], dim=1)
+    smallest = torch.maximum(torch.linalg.eigvalsh(joint)[:, -1], c)
+    upper = torch.full((batch,), math.inf, dtype=torch.float64, device=Y.device)
+    k_f = torch.linalg.vector_norm(K, dim=(1, 2))
+    s_f = torch.linalg.vector_norm(S, dim=(1, 2))
+    todo = finite & torch.isfinite(smallest)
+    for step in TRIAL_STEPS:
+        if not bool(todo.any()):
+            break
+        t = smallest * (1.0 + step) + 2.0 ** -900
+        gap = t - c  # > 0 in floating point means t > c exactly
+        A = gap[:, None, None] * (t[:, None, None] * (1.0 - eta) * eye - K) - S
+        e_f = gamma(5) * (gap * (t + k_f) + s_f)
+        needed = (ROUNDING_MARGIN * torch.linalg.vector_norm(A, dim=(1, 2)) + gap * e_k + e_s
+                  + e_f) * inflate
+        ok = todo & (gap > 0) & (torch.linalg.eigvalsh(A)[:, 0] > needed)
+        upper = torch.where(ok, t.sqrt() * inflate, upper)
+        todo = todo & ~ok
+    return upper, ritz
+
+
+def _symmetric(A: Tensor) -> Tensor:
+    """The symmetric matrices of A's lower triangles (B, k, k): the entries used, and bounded."""
+    return torch.tril(A) + torch.tril(A, -1).mT

@@ -1,0 +1,221 @@
+"""Fast deterministic bounds on an attention block's first-order operators when attention is
+input-dependent but near a fixed reference (ours).
+
+Notation of ``bounds.attention``: T_X(G) = H G + sum_l P_l G B_l with B_l = Wv_l Wo_l, and
+D_X(G) = sum_l J_l(G A_l X^T + X A_l G^T) X B_l / s with J_l the row-wise softmax Jacobian at X;
+the block's Jacobian at X is T_X + D_X. The reference T_R has a fixed R_l in place of P_l.
+Wv_l are the column blocks of Wv = [Wv_1 ... Wv_h] (d x h dv) and Wo_l the row blocks of
+Wo = [Wo_1; ...; Wo_h] (h dv x d).
+
+1. Head structure. For any (n, n) matrices F_l,
+   sum_l F_l G Wv_l Wo_l = [F_1 G Wv_1, ..., F_h G Wv_h] Wo, hence
+   ||sum_l F_l G B_l||_F <= ||Wo|| (sum_l ||F_l||^2 ||G Wv_l||_F^2)^(1/2)
+                         <= ||Wo|| ||Wv|| max_l ||F_l|| ||G||_F
+   (sum_l ||G Wv_l||_F^2 = ||G Wv||_F^2). With F_l = P_l - R_l, ||T_X - T_R|| is at most the
+   smaller of sum_l ||P_l - R_l|| ||B_l|| and ||Wv|| ||Wo|| max_l ||P_l - R_l||: a maximum over
+   heads instead of a sum (``head_deviation_bound``).
+
+2. A cheap bound on ||D_X|| (``softmax_first_order_bound``). Each row of J_l(E) sums to zero
+   (J_l(E) 1 = 0) and J_l ignores a constant added to a row of E, so for the centred tokens
+   X~ = X - 1 c^T (any c; we take the mean token)
+       D_X(G) = sum_l J_l(G A_l X~^T + X A_l G^T) X~ B_l / s = D1(G) + D2(G)
+   (the rows of G A_l X^T - G A_l X~^T are constant). Row i of J_l(E) is e_i^T J_li with
+   J_li = diag(p) - p p^T for the row p of P_l, symmetric. Let N_li = J_li X~ Wv_l (n x dv):
+   the deviations of the tokens from their p-weighted mean, weighted by p, small when attention
+   is concentrated or the tokens alike. Row i of D1(G) is g_i^T Wq_l M_li Wo_l summed over l,
+   M_li = (X~ Wk_l)^T N_li (dh x dv), i.e. g_i^T [Wq_1 .. Wq_h] diag_l(M_li) Wo, so
+       ||D1|| <= ||Wq|| ||Wo|| max_{l,i} ||M_li|| / s.
+   Row i of D2(G) is sum_l q_li^T (G Wk_l)^T N_li Wo_l with q_li = Wq_l^T x_i, and by 1.
+   ||D2(G)||_F^2 <= ||Wo||^2 sum_{l,i} ||N_li||^2 ||G Wk_l q_li||^2 / s^2
+               <= ||Wo||^2 sum_l ||diag_i(||N_li||) X Wq_l||^2 ||G Wk_l||_F^2 / s^2, so
+       ||D2|| <= ||Wo|| ||Wk|| max_l ||diag_i(||N_li||) X Wq_l|| / s.
+
+3. The Jacobian by deflation (``deflated_first_order_bound``). ||T_X + D_X - T_R|| <=
+   ||T_X - T_R|| + ||D_X||, so ``bounds.deflation`` bounds ||T_X|| and ||T_X + D_X|| from k
+   products with each and its adjoint, with a term of second order in the deviation: near the
+   reference the bound on the Jacobian is below zeta + ||D_X|| (the triangle inequality), and
+   it replaces both in the refined bound of ``bounds.attention``.
+
+As elsewhere in ``lofast.bounds``, the per-sample data (P_l and the token products X Wq_l, ...)
+as computed in float64 define the operators; the explicit matrix norms carry
+``spectral.ROUNDING_MARGIN`` and the products with the deflation basis carry explicit rounding
+bounds (``jacobian_rounding``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lofast.bounds.deflation import Deflation, deflated_norm_bound
+from lofast.bounds.spectral import gamma, matrix_norm_upper
+
+
+def head_deviation_bound(deviation: Tensor, value_weight_norm: Tensor,
+                         stacked_norm: Tensor) -> Tensor:
+    """Upper bound (B,) on ||sum_l F_l (x) B_l^T|| (the map G -> sum_l F_l G B_l) given
+    deviation (B, h) >= ||F_l||, value_weight_norm (h,) >= ||B_l|| and
+    stacked_norm >= ||Wv|| ||Wo|| (a scalar tensor): 1. of the module docstring."""
+    summed = (deviation * value_weight_norm).sum(dim=1)
+    return torch.minimum(summed, stacked_norm * deviation.amax(dim=1))
+
+
+def softmax_first_order_bound(X: Tensor, probs: Tensor, x_query: Tensor, key: Tensor,
+                              value: Tensor, stacked_norms: tuple[Tensor, Tensor, Tensor],
+                              scale: float) -> Tensor:
+    """Deterministic upper bound (B,) on ||D_X||: ||D1|| + ||D2||, 2. of the module docstring.
+
+    X (B, n, d) float64 tokens; probs (B, h, n, n); x_query (B, h, n, dh) X Wq_l; key Wk_l
+    (h, d, dh); value Wv_l (h, d, dv); stacked_norms: upper bounds (||Wq||, ||Wk||, ||Wo||) on
+    the whole matrices (scalar tensors); scale s. Frobenius norms bound ||N_li|| and ||M_li||.
+    Rounding: N_li = p o (X~ Wv_l) - p (p^T X~ Wv_l) is computed with at most n + d + 4
+    roundings per term from X (the centring included), each term at most |X~ Wv_l| in size
+    entrywise after the weights p <= 1, ||p||_2 <= 1, so adding
+    2 gamma_{n+d+4} (||X~ Wv_l||_F + ||X~||_F ||Wv_l||_F) covers it (and the difference between
+    the computed X~ and X - 1 c^T); M_li, one more product of length n, gets
+    gamma_n ||X~ Wk_l||_F ||N_li||_F plus ||X~ Wk_l||_F times N's rounding term.
+    """
+    n, d = X.shape[1], X.shape[2]
+    query_norm, key_norm, output_norm = stacked_norms
+    centred = X - X.mean(dim=1, keepdim=True)
+    x_value = torch.einsum("bnd,hde->bhne", centred, value)  # X~ Wv_l (B, h, n, dv)
+    x_key = torch.einsum("bnd,hde->bhne", centred, key)  # X~ Wk_l (B, h, n, dh)
+    weights = probs[..., None]  # (B, h, i, j, 1)
+    mixed = weights * x_value[:, :, None] - weights * (probs[..., None, :]
+                                                       @ x_value[:, :, None])  # N_li
+    frob = torch.linalg.vector_norm
+    value_f = frob(value, dim=(1, 2))  # ||Wv_l||_F
+    slip = 2.0 * gamma(n + d + 4) * (frob(x_value, dim=(2, 3))
+                                     + frob(centred, dim=(1, 2))[:, None] * value_f)  # (B, h)
+    inflate = 1.0 + 2.0 ** -40
+    mixed_norm = frob(mixed, dim=(3, 4)) * inflate + slip[..., None]  # (B, h, n) >= ||N_li||
+    key_f = frob(x_key, dim=(2, 3))[..., None] * inflate  # (B, h, 1)
+    product = frob(x_key[:, :, None].mT @ mixed, dim=(3, 4)) * inflate  # ||M_li||_F
+    product = product + gamma(n) * key_f * mixed_norm + key_f * slip[..., None]
+    first = query_norm * output_norm * product.amax(dim=(1, 2))
+    second = output_norm * key_norm * matrix_norm_upper(mixed_norm[..., None] * x_query).amax(dim=1)
+    return (first + second) / scale * inflate
+
+
+@dataclass(frozen=True)
+class JacobianData:
+    """Per-sample data of T_X and D_X for products with many vectors.
+
+    probs (B, h, n, n) P_l; x_query, x_key (B, h, n, dh) X Wq_l, X Wk_l; x_value (B, h, n, dv)
+    X Wv_l; projections (d, h (dv + 2 dh)) [Wv_1 .. Wv_h | Wq_1 .. Wq_h | Wk_1 .. Wk_h];
+    output (h dv, d) Wo; residual r (H = r I); scale s."""
+
+    probs: Tensor
+    x_query: Tensor
+    x_key: Tensor
+    x_value: Tensor
+    projections: Tensor
+    output: Tensor
+    residual: float
+    scale: float
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(h, n, dv, dh)."""
+        return (self.x_value.shape[1], self.x_value.shape[2], self.x_value.shape[3],
+                self.x_query.shape[3])
+
+
+def _jacobian(probs: Tensor, E: Tensor) -> Tensor:
+    """Row-wise softmax Jacobian diag(p) - p p^T applied to the rows of E (self-adjoint)."""
+    weighted = probs * E
+    return weighted - probs * weighted.sum(dim=-1, keepdim=True)
+
+
+def jacobian_apply(basis: Tensor, data: JacobianData, softmax: bool) -> Tensor:
+    """T_X G_j, or (T_X + D_X) G_j with ``softmax``, for the same k vectors G_j (k, n, d) for
+    every sample: (B, k, n, d). G_j Wv_l, G_j Wq_l, G_j Wk_l do not depend on the sample and
+    are formed once; the head products then run with the k vectors side by side."""
+    heads, n, dv, dh = data.shape
+    count = basis.shape[0]
+    batch = data.probs.shape[0]
+    v, q, k = (part.unflatten(-1, (heads, -1)) for part in
+               (basis @ data.projections).split([heads * dv, heads * dh, heads * dh], dim=-1))
+    v = v.permute(2, 1, 0, 3).reshape(heads, n, count * dv)  # [l, i, (j, e)]
+    mixed = (data.probs @ v).unflatten(-1, (count, dv))  # P_l G_j Wv_l: [b, l, i, j, e]
+    if softmax:
+        q = q.permute(2, 0, 1, 3).reshape(heads, count * n, dh)  # [l, (j, i), e]
+        k = k.permute(2, 0, 1, 3).reshape(heads, count * n, dh)
+        scores = ((q @ data.x_key.mT).unflatten(2, (count, n))  # G_j Wq_l (X Wk_l)^T
+                  + (data.x_query @ k.mT).unflatten(-1, (count, n)).transpose(2, 3))
+        scores = _jacobian(data.probs[:, :, None], scores).reshape(batch, heads, count * n, n)
+        scores = (scores @ data.x_value / data.scale).unflatten(2, (count, n))
+        mixed = mixed + scores.transpose(2, 3)  # + J_l(E1_l(G_j)) X Wv_l / s
+    mixed = mixed.permute(0, 3, 2, 1, 4).reshape(batch, count, n, heads * dv)  # heads side by side
+    return mixed @ data.output + data.residual * basis
+
+
+def jacobian_adjoint(Y: Tensor, data: JacobianData, softmax: bool) -> Tensor:
+    """T_X^T Y, or (T_X + D_X)^T Y with ``softmax``, for Y (B, k, n, d) -> (B, k, n, d)."""
+    heads, n, dv, dh = data.shape
+    batch, count = Y.shape[:2]
+    mixed = (Y @ data.output.mT).unflatten(-1, (heads, dv))  # Y Wo_l^T (B, k, n, h, dv)
+    value = data.probs.mT @ mixed.permute(0, 3, 2, 1, 4).reshape(batch, heads, n, count * dv)
+    value = value.unflatten(-1, (count, dv)).permute(0, 3, 2, 1, 4)
+    value = value.reshape(batch, count, n, heads * dv)
+    if not softmax:
+        return value @ data.projections[:, : heads * dv].mT + data.residual * Y
+    mixed = mixed.permute(0, 3, 1, 2, 4).reshape(batch, heads, count * n, dv)
+    adjoint = _jacobian(data.probs[:, :, None],
+                        (mixed @ data.x_value.mT / data.scale).unflatten(2, (count, n)))
+    query = (adjoint.reshape(batch, heads, count * n, n) @ data.x_key).unflatten(2, (count, n))
+    key = adjoint.mT @ data.x_query[:, :, None]  # (B, h, k, n, dh)
+    query, key = (t.permute(0, 2, 3, 1, 4).reshape(batch, count, n, heads * dh)
+                  for t in (query, key))
+    stacked = torch.cat([value, query, key], dim=-1)
+    return stacked @ data.projections.mT + data.residual * Y
+
+
+def jacobian_rounding(data: JacobianData) -> tuple[Tensor, Tensor]:
+    """(r_T, r_J) (B,): ||fl(L x) - L x|| <= r ||x|| for L = T_X, T_X + D_X and their adjoints
+    as ``jacobian_apply`` and ``jacobian_adjoint`` evaluate them.
+
+    Every output entry is a sum of products of data entries, each term carrying at most m
+    roundings, so |fl - exact| <= gamma_m times the same evaluation on absolute values
+    (Higham, Lemma 3.3 and eq. 3.5); m = 3 d + 3 n + 2 dh + 2 h dv + 16 exceeds every such path.
+    The absolute evaluation of T_X has Frobenius norm at most
+    (r + sum_l ||P_l||_2 ||Wv_l||_F ||Wo_l||_F) ||G||_F with ||P_l||_2 <= (max column sum)^(1/2)
+    for a row-stochastic P_l >= 0; that of D_X at most
+    sum_l (2 / s) (||Wq_l||_F ||X Wk_l||_F + ||X Wq_l||_F ||Wk_l||_F) ||X Wv_l||_F ||Wo_l||_F
+    ||G||_F (|J_l|(E) = P o |E| + P o (row sums of P o |E|) has ||.||_F <= 2 ||E||_F as every row
+    of P has ||p||_2 <= 1). The adjoints have the same absolute evaluations, transposed."""
+    heads = data.x_value.shape[1]
+    dv, dh = data.x_value.shape[3], data.x_query.shape[3]
+    n, d = data.probs.shape[-1], data.output.shape[1]
+    columns = data.projections.square().sum(dim=0).split([heads * dv, heads * dh, heads * dh])
+    value, query, key = (c.reshape(heads, -1).sum(dim=1).sqrt() for c in columns)  # ||W._l||_F
+    output = data.output.unflatten(0, (heads, dv)).norm(dim=(1, 2))  # ||Wo_l||_F
+    spread = data.probs.sum(dim=-2).amax(dim=-1).sqrt()  # (B, h) >= ||P_l||_2
+    first = data.residual + (spread * value * output).sum(dim=1)
+    frob = torch.linalg.vector_norm
+    softmax = (2.0 / data.scale * (query * frob(data.x_key, dim=(2, 3))
+                                   + frob(data.x_query, dim=(2, 3)) * key)
+               * frob(data.x_value, dim=(2, 3)) * output).sum(dim=1)
+    g = gamma(3 * d + 3 * n + 2 * dh + 2 * heads * dv + 16) * (1.0 + 2.0 ** -30)
+    return g * first, g * (first + softmax)
+
+
+def deflated_first_order_bound(data: JacobianData, deflation: Deflation, reference_norm: Tensor,
+                               deviation: Tensor,
+                               softmax: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A deterministic upper bound (B,) on ||T_X||, or on ||T_X + D_X|| given softmax (B,)
+    >= ||D_X||, and its Rayleigh-Ritz estimate (B,), by ``deflation.deflated_norm_bound``
+    (3. of the module docstring). deflation: of T_R, ``complement`` in the units of T_X;
+    reference_norm >= ||T_R||; deviation (B,) >= ||T_X - T_R||."""
+    batch, _, n, _ = data.probs.shape
+    count, d = deflation.size, data.output.shape[1]
+    with_softmax = softmax is not None
+    image = jacobian_apply(deflation.basis.mT.reshape(count, n, d), data, with_softmax)
+    back = jacobian_adjoint(image, data, with_softmax)
+    r_first, r_jacobian = jacobian_rounding(data)
+    whole = deviation + softmax if with_softmax else deviation
+    return deflated_norm_bound(image.reshape(batch, count, -1), back.reshape(batch, count, -1),
+                               deflation, whole, reference_norm + whole,
+                               r_jacobian if with_softmax else r_first)

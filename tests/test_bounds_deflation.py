@@ -1,0 +1,187 @@
+"""The deflated norm bound (``lofast.bounds.deflation``) against dense float64 singular values:
+upper bounds on random and adversarial perturbations of a reference, tight near it."""
+
+import math
+
+import pytest
+import torch
+
+from lofast.bounds.deflation import Deflation, deflate_gram, deflated_norm_bound
+from lofast.bounds.spectral import gamma, gram_with_error
+
+F64 = torch.float64
+
+
+def operator(size, values, seed):
+    """U diag(values) V^T (size x size) with random orthogonal U, V; values padded with ones."""
+    g = torch.Generator().manual_seed(seed)
+    U = torch.linalg.qr(torch.randn(size, size, generator=g, dtype=F64)).Q
+    V = torch.linalg.qr(torch.randn(size, size, generator=g, dtype=F64)).Q
+    sigma = torch.ones(size, dtype=F64)
+    sigma[: len(values)] = torch.tensor(values, dtype=F64)
+    return U @ torch.diag(sigma) @ V.T, U, V
+
+
+def reference_deflation(T):
+    gram, error = gram_with_error(T[None])
+    return deflate_gram(-gram[0], float(error[0]))
+
+
+def products(J, basis, dtype=torch.float64):
+    """Rows J v_j and J^T J v_j (1, k, N) computed in ``dtype``, and the rounding r of that
+    arithmetic (gamma_N ||J||_F per product, Higham eq. 3.5)."""
+    Jc, Vc = J.to(dtype), basis.to(dtype)
+    Y = (Jc @ Vc).T
+    Z = (Jc.T @ Y.T).T
+    unit = torch.finfo(dtype).eps / 2
+    size = J.shape[0]
+    r = size * unit / (1 - size * unit) * torch.linalg.vector_norm(J) * 1.01
+    return Y.double()[None], Z.double()[None], r
+
+
+def bound(J, deflation, deviation, dtype=torch.float64):
+    Y, Z, r = products(J, deflation.basis, dtype)
+    norm = torch.linalg.matrix_norm(J, 2)
+    return deflated_norm_bound(Y, Z, deflation, torch.tensor([deviation], dtype=F64),
+                               torch.tensor([norm * 1.001]), r.reshape(1))
+
+
+def test_complement_bounds_the_rest_of_the_reference():
+    T, _, _ = operator(60, [3.0, 2.9, 2.8, 2.5, 2.4, 2.2, 2.1, 2.0, 1.5, 1.4], seed=1)
+    deflation = reference_deflation(T)
+    basis = deflation.basis
+    projector = torch.eye(60, dtype=F64) - basis @ torch.linalg.solve(basis.T @ basis, basis.T)
+    rest = torch.linalg.matrix_norm(T @ projector, 2)
+    assert deflation.complement >= rest
+    assert deflation.complement <= rest * (1 + 2e-4)
+    assert deflation.size == 8  # the first size after which the spectrum drops by 5 %
+    assert deflation.orthogonality < 1e-12
+
+
+@pytest.mark.parametrize("kind", ["random", "top", "coupling", "complement-up", "complement-top"])
+@pytest.mark.parametrize("size", [0.0, 1e-4, 1e-2, 0.3, 2.0])
+def test_bound_dominates_the_norm(kind, size):
+    T, U, V = operator(50, [3.0, 2.95, 2.9, 2.8, 2.7, 2.6, 2.5, 2.4, 1.2], seed=2)
+    deflation = reference_deflation(T)
+    g = torch.Generator().manual_seed(3)
+    if kind == "random":
+        E = torch.randn(50, 50, generator=g, dtype=F64)
+    elif kind == "top":  # pushes the top singular value up
+        E = U[:, :1] @ V[:, :1].T
+    elif kind == "coupling":  # maps the complement into the top output direction
+        E = U[:, :1] @ V[:, 20:21].T
+    elif kind == "complement-up":  # raises a complement direction above the top
+        E = U[:, 30:31] @ V[:, 30:31].T
+    else:  # makes a complement direction the top one
+        E = U[:, :1] @ V[:, 40:41].T * 3
+    E = E / torch.linalg.matrix_norm(E, 2) * size
+    J = T + E
+    exact = torch.linalg.matrix_norm(J, 2)
+    upper, ritz = bound(J, deflation, size * (1 + 1e-12))
+    assert upper >= exact, (upper, exact)
+    assert ritz <= exact * (1 + 1e-12)
+    if size <= 1e-2 and kind != "complement-up":  # second order near the reference
+        assert upper <= exact * (1 + 1e-6) + size ** 2, (upper, exact)
+
+
+def test_bound_is_second_order_where_the_triangle_inequality_is_first_order():
+    T, _, _ = operator(40, [2.0, 1.9, 1.8, 1.7, 1.6, 1.5, 1.4, 1.3, 1.0], seed=4)
+    deflation = reference_deflation(T)
+    g = torch.Generator().manual_seed(5)
+    E = torch.randn(40, 40, generator=g, dtype=F64)
+    for size in (1e-1, 1e-2, 1e-3):
+        J = T + E / torch.linalg.matrix_norm(E, 2) * size
+        exact = torch.linalg.matrix_norm(J, 2)
+        upper, _ = bound(J, deflation, size)
+        triangle = torch.linalg.matrix_norm(T, 2) + size
+        assert exact <= upper <= exact + 5 * size ** 2
+        assert upper < triangle - 0.1 * size
+
+
+def test_a_poor_basis_is_sound():
+    # a random subspace instead of the top singular vectors: the complement holds the top, and
+    # the bound can exceed the triangle inequality ||T_R|| + delta (callers keep the smaller)
+    T, _, _ = operator(40, [2.0, 1.9, 1.5], seed=6)
+    g = torch.Generator().manual_seed(7)
+    basis = torch.linalg.qr(torch.randn(40, 8, generator=g, dtype=F64)).Q
+    gram, error = gram_with_error(T[None])
+    negated = -gram[0] + 4.0 * (basis @ basis.T)
+    from lofast.bounds.spectral import verified_norm_from_negated_gram
+    complement = verified_norm_from_negated_gram(
+        negated[None], gram_error=error + 4.0 * gamma(8) * 8 + 1e-12, lower_only=True)[0]
+    poor = Deflation(basis=basis, orthogonality=1e-13, complement=complement,
+                     ritz=torch.zeros(9, dtype=F64))
+    E = torch.randn(40, 40, generator=g, dtype=F64)
+    J = T + 0.05 * E / torch.linalg.matrix_norm(E, 2)
+    exact = torch.linalg.matrix_norm(J, 2)
+    upper, _ = bound(J, poor, 0.05)
+    assert exact <= upper < 1.1 * (torch.linalg.matrix_norm(T, 2) + 0.05)
+
+
+def test_a_basis_that_is_not_quite_orthonormal():
+    T, _, _ = operator(30, [2.0, 1.9, 1.8, 1.2], seed=8)
+    deflation = reference_deflation(T)
+    g = torch.Generator().manual_seed(9)
+    eye = torch.eye(deflation.size, dtype=F64)
+    noise = torch.randn(deflation.size, deflation.size, generator=g, dtype=F64)
+    skewed = deflation.basis @ (eye + 1e-7 * noise)
+    eta = float(torch.linalg.matrix_norm(skewed.T @ skewed - eye, 2)) * 1.01
+    # the complement bound must hold for the skewed basis: use the whole norm of T (valid)
+    loose = Deflation(basis=skewed, orthogonality=eta, complement=torch.linalg.matrix_norm(T, 2),
+                      ritz=deflation.ritz)
+    J = T + 1e-3 * torch.randn(30, 30, generator=g, dtype=F64) / 30
+    exact = torch.linalg.matrix_norm(J, 2)
+    upper, _ = bound(J, loose, float(torch.linalg.matrix_norm(J - T, 2)))
+    assert upper >= exact
+
+
+def test_rounding_is_accounted_for_in_single_precision():
+    # products formed in float32 (errors near 1e-7, far above the bound's slack near the
+    # reference) with their rounding bound passed in: still an upper bound
+    T, _, _ = operator(64, [3.0, 2.99, 2.98, 2.5, 2.4, 2.3, 2.2, 2.1, 1.0], seed=10)
+    deflation = reference_deflation(T)
+    g = torch.Generator().manual_seed(11)
+    for trial in range(5):
+        E = torch.randn(64, 64, generator=g, dtype=F64)
+        J = T + 1e-6 * E / torch.linalg.matrix_norm(E, 2)
+        exact = torch.linalg.matrix_norm(J, 2)
+        upper, _ = bound(J, deflation, 1e-6, dtype=torch.float32)
+        assert upper >= exact, trial
+        assert upper <= exact * (1 + 1e-3)
+
+
+def test_unverifiable_samples_get_infinity():
+    T, _, _ = operator(20, [2.0, 1.5], seed=12)
+    deflation = reference_deflation(T)
+    Y, Z, r = products(T, deflation.basis)
+    Y = torch.cat([Y, torch.full_like(Y, math.nan)])
+    Z = torch.cat([Z, Z])
+    zero, three = torch.zeros(2, dtype=F64), torch.full((2,), 3.0, dtype=F64)
+    upper, _ = deflated_norm_bound(Y, Z, deflation, zero, three, r.expand(2))
+    assert math.isfinite(upper[0]) and upper[1] == math.inf
+    with pytest.raises(ValueError, match="do not match"):
+        deflated_norm_bound(Y[:, :1], Z, deflation, zero, three, r.expand(2))
+
+
+def test_an_unproven_complement_bounds_nothing(monkeypatch):
+    # a deflation whose Cholesky proof fails gives +inf, never an unproven number
+    from lofast.bounds import deflation as module
+
+    def fail(*args, **kwargs):
+        raise ValueError("could not verify")
+
+    monkeypatch.setattr(module, "verified_norm_from_negated_gram", fail)
+    T, _, _ = operator(20, [2.0, 1.5], seed=13)
+    deflation = reference_deflation(T)
+    assert deflation.complement == math.inf
+    upper, _ = bound(T, deflation, 0.0)
+    assert upper[0] == math.inf
+
+
+def test_a_nearly_null_complement():
+    # deflating all but one direction of a rank-deficient reference: the complement's top
+    # eigenvalue is 0 up to rounding, and its proof must not fail on that noise
+    T, _, _ = operator(12, [2.0, 1.5, 1.0] + [0.0] * 9, seed=14)
+    gram, error = gram_with_error(T[None])
+    deflation = deflate_gram(-gram[0], float(error[0]), count=11)
+    assert deflation.size == 11 and 0.0 <= deflation.complement < 1e-5

@@ -1,0 +1,299 @@
+"""The bounds near the reference attention (``lofast.bounds.near_reference``) and the verified
+method that uses them, against dense float64 operators (materialised column by column, and the
+block's autograd Jacobian) and a PGD attack on the block."""
+
+import math
+
+import pytest
+import torch
+from test_bounds_attention import (
+    EPS,
+    VERIFIED,
+    make_tokens,
+    make_weights,
+    materialised_operator,
+    pgd_lower_bound,
+    with_score_gain,
+)
+
+from lofast.bounds import attention
+from lofast.bounds.attention import (
+    attention_forward,
+    attention_probabilities,
+    attention_sensitivity,
+    first_order_maps,
+    softmax_first_order_maps,
+)
+from lofast.bounds.near_reference import (
+    JacobianData,
+    deflated_first_order_bound,
+    head_deviation_bound,
+    jacobian_adjoint,
+    jacobian_apply,
+    jacobian_rounding,
+    softmax_first_order_bound,
+)
+from lofast.bounds.spectral import matrix_norm_upper
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def jacobian_data(X, w):
+    P = attention_probabilities(X, w)
+    q, k, v = (t.to(F64) for t in (w.query, w.key, w.value))
+    projections, output = w.jacobian_weights
+    return JacobianData(probs=P, x_query=torch.einsum("bnd,hde->bhne", X, q),
+                        x_key=torch.einsum("bnd,hde->bhne", X, k),
+                        x_value=torch.einsum("bnd,hde->bhne", X, v), projections=projections,
+                        output=output, residual=1.0 if w.residual else 0.0, scale=w.scale)
+
+
+def dense_norms(X, w):
+    """(||T_X||, ||T_X + D_X||, ||D_X||) per sample, (B,) each: T_X materialised, the block's
+    Jacobian T_X + D_X by autograd."""
+    T = materialised_operator(X, w)
+    n, d = X.shape[1:]
+    J = torch.stack([torch.func.jacrev(lambda Z: attention_forward(Z[None], w)[0])(x)
+                     .reshape(n * d, n * d) for x in X])
+    norm = torch.linalg.matrix_norm
+    return norm(T, ord=2), norm(J, ord=2), norm(J - T, ord=2)
+
+
+def live_block(n, d, h, dh, gain, seed, biased=True, residual=True):
+    """A block whose scores have the given gain over a position bias (or uniform attention)."""
+    w = make_weights(h, d, dh, residual, seed, bias_tokens=n if biased else None)
+    return with_score_gain(w, gain)
+
+
+def test_products_match_the_maps_and_their_adjoints():
+    w = live_block(6, 16, 2, 8, 1.0, seed=1)
+    X = make_tokens(3, 6, 16, 1.0, seed=2)
+    data = jacobian_data(X, w)
+    P, q, k, v, o = (data.probs, *(t.to(F64) for t in (w.query, w.key, w.value, w.output)))
+    apply_t, adjoint_t = first_order_maps(P, v, o, True)
+    x_value_out = torch.einsum("bhne,hef->bhnf", data.x_value, o)
+    apply_d, adjoint_d = softmax_first_order_maps(P, data.x_query, data.x_key, q, k, x_value_out,
+                                                  w.scale)
+    g = torch.Generator().manual_seed(3)
+    G = torch.randn(4, 6, 16, generator=g, dtype=F64)
+    first, whole = jacobian_apply(G, data, False), jacobian_apply(G, data, True)
+    Y = torch.randn(3, 4, 6, 16, generator=g, dtype=F64)
+    back_first, back_whole = jacobian_adjoint(Y, data, False), jacobian_adjoint(Y, data, True)
+    for j in range(4):
+        Gj = G[j].expand(3, -1, -1)
+        assert torch.allclose(first[:, j], apply_t(Gj), atol=1e-13)
+        assert torch.allclose(whole[:, j], apply_t(Gj) + apply_d(Gj), atol=1e-13)
+        assert torch.allclose(back_first[:, j], adjoint_t(Y[:, j]), atol=1e-13)
+        assert torch.allclose(back_whole[:, j], adjoint_t(Y[:, j]) + adjoint_d(Y[:, j]),
+                              atol=1e-13)
+    # <J G, Y> = <G, J^T Y>
+    assert torch.allclose((whole * Y).sum(dim=(2, 3)), (G * back_whole).sum(dim=(2, 3)),
+                          rtol=1e-12)
+
+
+def test_rounding_bound_covers_single_precision_products():
+    # the rounding bound scales with the unit roundoff: the same products in float32 (data
+    # included) stay within r * (u32 / u64) of the float64 ones
+    w = live_block(5, 16, 4, 4, 3.0, seed=4)
+    X = make_tokens(2, 5, 16, 2.0, seed=5)
+    data = jacobian_data(X, w)
+    single = JacobianData(**{name: getattr(data, name).float() if torch.is_tensor(
+        getattr(data, name)) else getattr(data, name) for name in data.__dataclass_fields__})
+    r_first, r_whole = jacobian_rounding(data)
+    ratio = 2.0 ** -24 / 2.0 ** -53
+    g = torch.Generator().manual_seed(6)
+    basis = torch.randn(3, 5, 16, generator=g, dtype=F64)
+    basis = basis / basis.flatten(1).norm(dim=1)[:, None, None]
+    for softmax, r in ((False, r_first), (True, r_whole)):
+        exact = jacobian_apply(basis, data, softmax)
+        error = (jacobian_apply(basis.float(), single, softmax).double() - exact)
+        assert (error.flatten(2).norm(dim=2) <= r[:, None] * ratio).all()
+        back = jacobian_adjoint(exact, data, softmax)
+        error = jacobian_adjoint(exact.float(), single, softmax).double() - back
+        norms = exact.flatten(2).norm(dim=2)
+        assert (error.flatten(2).norm(dim=2) <= r[:, None] * ratio * norms).all()
+
+
+@pytest.mark.parametrize("pattern", ["random", "equal", "one-head"])
+def test_head_deviation_bound_dominates_the_materialised_norm(pattern):
+    h, n, d, dv = 4, 5, 12, 3
+    w = make_weights(h, d, dv, True, seed=7)
+    g = torch.Generator().manual_seed(8)
+    if pattern == "random":
+        F = torch.randn(h, n, n, generator=g, dtype=F64)
+    elif pattern == "equal":  # the same deviation in every head: the sum is loose, not the max
+        F = torch.randn(1, n, n, generator=g, dtype=F64).expand(h, -1, -1)
+    else:
+        F = torch.zeros(h, n, n, dtype=F64)
+        F[2] = torch.randn(n, n, generator=g, dtype=F64)
+    B = w.value_matrices()
+    exact = torch.linalg.matrix_norm(sum(torch.kron(F[l].contiguous(), B[l].T.contiguous())
+                                          for l in range(h)), ord=2)
+    _, _, value, output = w.stacked_norms
+    bound = head_deviation_bound(matrix_norm_upper(F)[None], w.weight_norms[1], value * output)
+    assert bound >= exact
+    if pattern == "equal":
+        summed = (matrix_norm_upper(F) * w.weight_norms[1]).sum()
+        assert bound < 0.7 * summed
+
+
+TOKEN_PATTERNS = ["random", "alike", "identical", "clusters", "large"]
+
+
+def patterned_tokens(pattern, batch, n, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    X = make_tokens(batch, n, d, 1.0, seed)
+    if pattern == "alike":  # a large common component, as in the trained models
+        X = 0.9 * X[:, :1] + 0.3 * X
+    elif pattern == "identical":  # X~ = 0: D_X = 0 and the bound must be (nearly) 0
+        X = X[:, :1].expand(-1, n, -1).clone()
+    elif pattern == "clusters":
+        X = torch.where(torch.arange(n)[None, :, None] % 2 == 0, X[:, :1], X[:, 1:2])
+        X = X + 0.01 * torch.randn(X.shape, generator=g, dtype=F64)
+    elif pattern == "large":
+        X = 4.0 * X
+    return X
+
+
+@pytest.mark.parametrize("pattern", TOKEN_PATTERNS)
+@pytest.mark.parametrize("gain, biased", [(0.3, True), (1.0, True), (3.0, True), (1.0, False),
+                                          (10.0, False)])
+def test_softmax_bound_dominates_the_autograd_norm(pattern, gain, biased):
+    n, d, h, dh = 6, 12, 3, 4
+    w = live_block(n, d, h, dh, gain, seed=9, biased=biased)
+    X = patterned_tokens(pattern, 3, n, d, seed=10)
+    _, _, exact = dense_norms(X, w)
+    data = jacobian_data(X, w)
+    query, key, _, output = w.stacked_norms
+    bound = softmax_first_order_bound(X, data.probs, data.x_query, w.key.to(F64),
+                                      w.value.to(F64), (query, key, output), w.scale)
+    # (the autograd reference carries rounding noise near 1e-15: D_X = 0 for identical tokens)
+    assert (bound >= exact - 1e-13).all(), (bound, exact)
+    if pattern == "identical":
+        assert (bound <= 1e-12).all()
+
+
+def test_softmax_bound_is_far_below_the_product_bound_near_the_reference():
+    # concentrated attention (a position bias of spread 2) and alike tokens: the product of
+    # norms sum_l m_l ||X B_l|| / (2 s) that it replaces is several times larger
+    w = live_block(8, 16, 4, 4, 0.5, seed=11)
+    X = patterned_tokens("alike", 3, 8, 16, seed=12)
+    _, _, exact = dense_norms(X, w)
+    sens = attention_sensitivity(X, w, score_bound="relaxed", softmax_jacobian=True,
+                                 method=VERIFIED)
+    product = (sens.score_sensitivity * sens.value_norm).sum(dim=1) / (2 * sens.scale)
+    assert (sens.softmax_first_order >= exact).all()
+    assert (sens.softmax_first_order < 0.3 * product).all()
+
+
+@pytest.mark.parametrize("gain", [1e-3, 0.05, 0.3, 1.0, 3.0])
+@pytest.mark.parametrize("biased, residual", [(True, True), (False, True), (True, False)])
+def test_deflated_bounds_dominate_the_dense_norms(gain, biased, residual):
+    n, d, h, dh = 6, 12, 3, 4
+    w = live_block(n, d, h, dh, gain, seed=13, biased=biased, residual=residual)
+    X = patterned_tokens("alike", 3, n, d, seed=14)
+    first, whole, softmax = dense_norms(X, w)
+    data = jacobian_data(X, w)
+    reference = w.reference_probabilities
+    deviation = head_deviation_bound(
+        attention.reference_deviation_norms(data.probs, reference), w.weight_norms[1],
+        w.stacked_norms[2] * w.stacked_norms[3])
+    reference_norm, _ = w.reference_first_order
+    deflation = w.deflation(n)
+    bound, ritz = deflated_first_order_bound(data, deflation, reference_norm, deviation, None)
+    assert (bound >= first).all() and (ritz <= first * (1 + 1e-12)).all()
+    cheap = softmax * 1.5 + 1e-12  # any valid bound on ||D_X||
+    bound, ritz = deflated_first_order_bound(data, deflation, reference_norm, deviation, cheap)
+    assert (bound >= whole).all() and (ritz <= whole * (1 + 1e-12)).all()
+    if gain <= 0.05:  # second order near the reference: far below ||T_R|| + deviation
+        assert (bound <= whole * (1 + 1e-4)).all(), (bound / whole)
+
+
+@pytest.mark.parametrize("biased", [True, False], ids=["position-bias", "uniform"])
+def test_verified_sensitivity_near_the_reference(monkeypatch, biased):
+    # live attention near the reference: the Jacobian's norm by deflation, within 1e-3 of the
+    # autograd norm and below zeta + ||D_X||, with neither Gram matrix per sample
+    n, d, h, dh = 6, 16, 4, 4
+    w = live_block(n, d, h, dh, 0.3, seed=15, biased=biased)
+    X = patterned_tokens("alike", 4, n, d, seed=16)
+    first, whole, softmax = dense_norms(X, w)
+    w.reference_first_order, w.deflation(n)  # the reference's Gram matrices, once per block
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("no per-sample Gram matrix near the reference")
+
+    monkeypatch.setattr(attention, "first_order_negated_gram", refuse)
+    monkeypatch.setattr(attention, "_softmax_first_order_norm", refuse)
+    sens = attention_sensitivity(X, w, score_bound="relaxed", softmax_jacobian=True,
+                                 method=VERIFIED)
+    assert (sens.zeta >= first).all() and (sens.softmax_first_order >= softmax).all()
+    assert (sens.jacobian >= whole).all()
+    assert (sens.jacobian <= whole * (1 + 1e-3)).all()
+    assert (sens.jacobian < first + softmax).all()
+
+
+def test_far_from_the_reference_the_gram_matrices_take_over(monkeypatch):
+    # peaked, input-dependent attention: the deflated bound is not within JACOBIAN_SLACK of its
+    # estimate, and the verified zeta and ||D_X|| are computed as without it
+    n, d, h, dh = 5, 12, 3, 4
+    w = live_block(n, d, h, dh, 3.0, seed=17)
+    X = patterned_tokens("random", 3, n, d, seed=18)
+    first, whole, softmax = dense_norms(X, w)
+    calls = []
+    real = attention._softmax_first_order_norm
+
+    def counting(probs, *args, **kwargs):
+        calls.append(probs.shape[0])
+        return real(probs, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "_softmax_first_order_norm", counting)
+    sens = attention_sensitivity(X, w, score_bound="relaxed", softmax_jacobian=True,
+                                 method=VERIFIED)
+    assert calls == [3]
+    assert (sens.zeta >= first).all() and (sens.zeta <= first * (1 + 2e-3)).all()
+    assert (sens.softmax_first_order >= softmax).all()
+    assert (sens.softmax_first_order <= softmax * (1 + 2e-3)).all()
+    assert (sens.jacobian >= whole).all()
+
+
+@pytest.mark.parametrize("gain, row_norm", [(0.3, 1.0), (1.0, 1.0), (0.3, 3.0)])
+def test_refined_delta_with_the_jacobian_dominates_pgd(gain, row_norm):
+    n, d, h, dh = 5, 16, 4, 4
+    w = live_block(n, d, h, dh, gain, seed=19)
+    X = make_tokens(3, n, d, row_norm, seed=20)
+    sens = attention_sensitivity(X, w, score_bound="relaxed", softmax_jacobian=True,
+                                 method=VERIFIED)
+    assert sens.jacobian is not None
+    attack = pgd_lower_bound(X, w, EPS)
+    assert (attack > 0.5 * EPS).all()
+    eps = EPS[None].expand(3, -1)
+    assert (sens.delta(eps) >= attack).all()
+    # at the smallest radius the bound is within a few percent of the attack
+    assert (sens.delta(eps)[:, 0] <= 1.05 * attack[:, 0]).all()
+
+
+def test_the_jacobian_enters_the_refined_delta():
+    base = {name: torch.tensor(value, dtype=F64) for name, value in [
+        ("zeta", [2.0]), ("score_sensitivity", [[1.0]]), ("value_norm", [[0.5]]),
+        ("score_weight_norm", [1.0]), ("value_weight_norm", [1.0])]}
+    common = {**base, "scale": 2.0, "kappa": 0.5,
+              "softmax_first_order": torch.tensor([0.3], dtype=F64)}
+    plain = attention.AttentionSensitivity(**common)
+    unrefined = attention.AttentionSensitivity(**{**common, "softmax_first_order": None})
+    for value in (2.1, 1.9, math.inf):
+        sens = attention.AttentionSensitivity(**common,
+                                              jacobian=torch.tensor([value], dtype=F64))
+        for e in (0.001, 0.01, 0.1, 1.0):
+            eps = torch.tensor([e], dtype=F64)
+            refined = min(value, 2.3) * e + sens.second_order_terms(eps).item()
+            expected = min(unrefined.delta(eps).item(), refined)
+            assert sens.delta(eps).item() == pytest.approx(expected, rel=1e-12)
+            assert sens.delta(eps).item() <= plain.delta(eps).item()
