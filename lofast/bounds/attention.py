@@ -410,12 +410,14 @@ def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
     if first_order == "lofast":
         reference = w.reference_probabilities
         reference_norm, reference_direction = w.reference_first_order
-        near = near_reference_first_order_bound(
-            probs, None if reference is None else reference.to(device), reference_norm.to(device),
-            value_weight_norm)
+        reference = None if reference is None else reference.to(device)
+        deviation = reference_deviation_norms(probs, reference)  # >= ||P_l - R_l||
+        near = near_reference_first_order_bound(probs, reference, reference_norm.to(device),
+                                                value_weight_norm, deviation)
         if method.kind == "verified" and same_device:
             zeta, softmax, jacobian = _verified_near_reference(
-                X, probs, x_query, x_key, x_value, x_value_out, score, w, method, near, softmax)
+                X, probs, x_query, x_key, x_value, x_value_out, score, w, method, near,
+                deviation, softmax)
         elif method.kind == "verified":
             zeta = verified_first_order_norm(
                 probs, first_order_factors(value, output, w.residual), method, known=near,
@@ -453,6 +455,7 @@ def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
 def _verified_near_reference(X: Tensor, probs: Tensor, x_query: Tensor, x_key: Tensor,
                              x_value: Tensor, x_value_out: Tensor, score: Tensor,
                              w: AttentionWeights, method: SpectralMethod, near: Tensor,
+                             deviation: Tensor,
                              softmax: Tensor | None) -> tuple[Tensor, Tensor | None,
                                                                Tensor | None]:
     """zeta, zeta_s and the Jacobian bound (B,) each (the last two None without the
@@ -467,20 +470,23 @@ def _verified_near_reference(X: Tensor, probs: Tensor, x_query: Tensor, x_key: T
     method's slack (without) of its Rayleigh-Ritz estimate, the deflation of size
     LARGE_DEFLATION is tried; only where that one is not either, the Kronecker Gram's Cholesky
     proof (``verified_first_order_norm``) and, with the refinement, the verified ||D_X||
-    follow, as without the near-reference bounds. near: the near-reference bound."""
+    follow, as without the near-reference bounds. near: the near-reference bound; deviation
+    (B, h): upper bounds on ||P_l - R_l||; softmax: the product bound on ||D_X|| or None."""
     n = X.shape[1]
     f = w.first_order_factors
-    reference = w.reference_probabilities
     reference_norm, direction = w.reference_first_order
     query_stacked, key_stacked, value_stacked, output_stacked = w.stacked_norms
-    deviation = head_deviation_bound(reference_deviation_norms(probs, reference),
-                                     w.weight_norms[1], value_stacked * output_stacked)
+    deviation = head_deviation_bound(deviation, w.weight_norms[1],
+                                     value_stacked * output_stacked)
     zeta = torch.minimum(near, reference_norm + deviation)
     query, key = _f64(w.query), _f64(w.key)
     if softmax is not None:
-        softmax = torch.minimum(softmax, softmax_first_order_bound(
-            X, probs, x_query, key, _f64(w.value), (query_stacked, key_stacked, output_stacked),
-            w.scale))
+        # the centred bound only where the product bound is not already negligible
+        rows = softmax > SOFTMAX_NEGLIGIBLE * zeta
+        if bool(rows.any()):
+            softmax[rows] = torch.minimum(softmax[rows], softmax_first_order_bound(
+                X[rows], probs[rows], x_query[rows], key, _f64(w.value),
+                (query_stacked, key_stacked, output_stacked), w.scale))
     along = (f.direction / math.sqrt(n)).repeat(n) if direction is None else direction
     slack = 1.0 + method.relative_slack
     settled = zeta <= _first_order_estimate(probs, f, along, 1).clamp_min(0.0).sqrt() * (
@@ -766,16 +772,19 @@ def uniform_mix_norm(value: Tensor, output: Tensor, residual: bool) -> Tensor:
 
 
 def near_reference_first_order_bound(probs: Tensor, reference: Tensor | None,
-                                     reference_norm: Tensor, value_weight_norm: Tensor) -> Tensor:
+                                     reference_norm: Tensor, value_weight_norm: Tensor,
+                                     deviation: Tensor | None = None) -> Tensor:
     """Deterministic upper bound on zeta = ||T_X|| (B,) from the split P_l = R_l + E_l (module
     docstring): ||T_R|| + sum_l ||E_l|| ||B_l||. probs (B, h, n, n); reference: R_l (h, n, n)
     float64, or None for U = 1 1^T / n; reference_norm >= ||T_R|| for exactly that R
-    (``AttentionWeights.reference_first_order``); value_weight_norm (h,) >= ||B_l||.
+    (``AttentionWeights.reference_first_order``); value_weight_norm (h,) >= ||B_l||;
+    deviation: ``reference_deviation_norms(probs, reference)`` if already at hand.
 
     E_l is computed as fl(P_l - R_l) (R_l = fl(1/n) for U), off by at most u |E_l| + u (1 + u) / n
     per entry, so by at most gamma_2 (||E_l||_F + 1) in norm."""
-    return reference_norm + (reference_deviation_norms(probs, reference)
-                             * value_weight_norm).sum(dim=1)
+    if deviation is None:
+        deviation = reference_deviation_norms(probs, reference)
+    return reference_norm + (deviation * value_weight_norm).sum(dim=1)
 
 
 def reference_deviation_norms(probs: Tensor, reference: Tensor | None) -> Tensor:
