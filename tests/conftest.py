@@ -3,6 +3,7 @@ as test_cli.py does for a trained checkpoint): a small image folder of four colo
 untrained tiny checkpoint for it, and one data cache outside the folders tests watch."""
 
 import pytest
+import torch
 from helpers import write_image_folder
 
 from lofast.checkpoint import save_checkpoint
@@ -31,3 +32,13 @@ def checkpoint(tmp_path_factory):
 def shared_cache(tmp_path_factory, monkeypatch):
     """Decoded data cached once per session, outside every test's own folders."""
     monkeypatch.setenv("LOFAST_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module: many tiny operations run faster without OpenMP
+    synchronisation, and results compared with torchrun's one-thread processes sum alike."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -29,13 +29,7 @@ SLACK = LANCZOS.relative_slack
 EPS = torch.tensor([0.01, 0.05, 0.1, 0.3], dtype=torch.float64)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Many tiny tensor operations: one thread avoids OpenMP synchronisation costs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_weights(h, d, dh, residual, seed, gain=1.0, bias_tokens=None):

@@ -38,12 +38,7 @@ from lofast.bounds.spectral import matrix_norm_upper
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def jacobian_data(X, w):

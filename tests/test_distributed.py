@@ -111,17 +111,6 @@ def train_args(setup, out, *extra):
             "--out", str(out), *extra]
 
 
-@pytest.fixture
-def one_thread():
-    """The processes of torchrun run with one thread each: so does the one-process run they
-    are compared with (another thread count sums in another order, and Adam turns rounding
-    differences in near-zero gradients into whole steps)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def assert_close_weights(a, b):
     from safetensors.torch import load_file
 
