@@ -19,10 +19,8 @@ import sys
 from live_attention import with_live_attention  # beside this script
 
 from lofast.attack import pgd_l2
-from lofast.bounds.spectral import SpectralMethod
-from lofast.certify import Certifier, CertifySettings
+from lofast.certificate import Certifier, CertifySettings
 from lofast.checkpoint import default_checkpoint_path, load_checkpoint
-from lofast.cli.certify_cmd import GUARANTEES
 from lofast.data import load_dataset
 from lofast.data.sample import class_balanced_order, load_bundled_sample
 
@@ -52,7 +50,7 @@ def main() -> None:
     model = model.double().eval()
     data = load_dataset(args.data, "test") if args.data else load_bundled_sample()
     x, y = data.subset(class_balanced_order(data.labels)[: args.n]).to_tensors()
-    settings = CertifySettings(method=SpectralMethod(kind=GUARANTEES[args.guarantee]))
+    settings = CertifySettings(guarantee=args.guarantee)
     certificate = Certifier(model, settings).certify(x, y)
     radius = certificate.radius()
     chosen = radius > 0

@@ -30,12 +30,11 @@ import time
 import torch
 from live_attention import with_live_attention  # beside this script
 
-from lofast.bounds.attention import attention_sensitivity
+from lofast.bounds.attention import AttentionSpec, attention_sensitivity
 from lofast.bounds.spectral import SpectralMethod
-from lofast.certify import BOUNDS, Certifier, CertifySettings
+from lofast.certificate import BOUND_TERMS, Certifier, CertifySettings
 from lofast.checkpoint import default_checkpoint_path, load_checkpoint
 from lofast.data.sample import class_balanced_order, load_bundled_sample
-from lofast.models.structure import AttentionSpec
 from lofast.train import resolve_device
 
 KINDS = {"exact": "verified", "exact-dense": "dense", "probabilistic": "lanczos",
@@ -62,18 +61,18 @@ def split_costs(certifier: Certifier, x: torch.Tensor, y: torch.Tensor) -> dict[
     x64 = x.to(device, torch.float64)
     (_, acts), forward = timed(lambda: certifier.model.forward_with_activations(x64), device)
     settings = certifier.settings
-    _, score_bound = BOUNDS[settings.bound]
+    _, score_bound = BOUND_TERMS[settings.bound]
     full = cheap = 0.0
     for i, spec in enumerate(certifier.structure):
         if isinstance(spec, AttentionSpec):
-            w = certifier.attention[i]
+            w = spec
             _, t_full = timed(lambda a=acts[i], w=w: attention_sensitivity(
                 a, w, kappa=settings.kappa, score_bound=score_bound, method=settings.method,
-                generator=certifier.generator), device)
+                generator=certifier.norms.generator), device)
             # the naive first-order term needs no matrix-free norm: what remains is delta_2
             _, t_cheap = timed(lambda a=acts[i], w=w: attention_sensitivity(
                 a, w, kappa=settings.kappa, first_order="naive", score_bound=score_bound,
-                method=settings.method, generator=certifier.generator), device)
+                method=settings.method, generator=certifier.norms.generator), device)
             full += t_full
             cheap += t_cheap
     cert, total = timed(lambda: certifier.certify(x, y), device)

@@ -56,13 +56,13 @@ from pathlib import Path
 
 import torch
 
-from lofast.bounds.spectral import SpectralMethod
-from lofast.certify import Certifier, CertifySettings
+from lofast.certificate import Certifier, CertifySettings
 from lofast.checkpoint import default_checkpoint_path, file_digest, load_checkpoint
-from lofast.cli.certify_cmd import GUARANTEES, default_batch_size
+from lofast.config import GUARANTEES
 from lofast.crown import INSTALL_HINT, METHODS, crown_available, crown_verify
 from lofast.data import load_dataset
 from lofast.data.sample import class_balanced_order, load_bundled_sample
+from lofast.pipeline import default_batch_size
 from lofast.report import eps_key
 from lofast.train import resolve_device
 
@@ -387,7 +387,7 @@ def main() -> None:
         log("note: OMP_NUM_THREADS is unset; on a shared machine set OMP_NUM_THREADS=1")
 
     log(f"LoFAST on {n} samples, eps {', '.join(map(eps_key, eps))} ...")
-    settings = CertifySettings(method=SpectralMethod(kind=GUARANTEES[args.guarantee]))
+    settings = CertifySettings(guarantee=args.guarantee)
     lofast = run_lofast(model, x, y, eps, settings, device, batch_size)
     log(f"  {lofast['seconds']:.2f} s ({lofast['seconds'] / n:.3f} s/sample)")
 

@@ -37,11 +37,10 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from lofast.bounds.attention import AttentionWeights, attention_probabilities
-from lofast.certify import Certifier, CertifySettings, attention_weights
+from lofast.bounds.attention import AttentionSpec, attention_probabilities
+from lofast.certificate import Certifier, CertifySettings
 from lofast.errors import CertificationError
 from lofast.models.layers import Attention
-from lofast.models.structure import AttentionSpec
 from lofast.models.vit import LipschitzViT
 from lofast.report import eps_key
 
@@ -242,9 +241,8 @@ class _Float64Model:
         with torch.no_grad():
             self.model.hold_effective_weights(True)
             structure = self.model.structure()
-        self.weights: dict[int, AttentionWeights] = {
-            i: attention_weights(spec, self.device)
-            for i, spec in enumerate(structure) if isinstance(spec, AttentionSpec)}
+        self.weights: dict[int, AttentionSpec] = {
+            i: spec for i, spec in enumerate(structure) if isinstance(spec, AttentionSpec)}
 
     @torch.no_grad()
     def forward_with_attention(self, x: Tensor) -> tuple[Tensor, dict[int, Tensor]]:

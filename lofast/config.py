@@ -10,6 +10,28 @@ from typing import Any
 
 from lofast.errors import LofastError
 
+# Certification: the names users choose, read by the library (``certify.CertifySettings``) and
+# the CLI alike. A guarantee says what every norm in a certificate is (``bounds.spectral.
+# Guarantee`` has the same values) and names the spectral method that delivers it.
+GUARANTEES = {"exact": "verified", "probabilistic": "lanczos", "estimate": "power"}
+BOUNDS = ("lofast", "lofast-tight", "naive")  # see ``certify.BOUND_TERMS``
+KAPPAS = (0.5, 1.0)  # softmax Lipschitz constants: 1/2 is tight and sound, 1 is the paper's
+
+
+@dataclass(frozen=True)
+class CertifyDefaults:
+    """What ``lofast certify`` and ``certify.Certifier`` do when not told otherwise."""
+
+    guarantee: str = "exact"
+    bound: str = "lofast"
+    kappa: float = 0.5
+    softmax_jacobian: bool = True  # the second-order refinement of ``bounds.attention``
+    local_projection: bool = True  # LayerProject's local contraction (else 1-Lipschitz)
+    seed: int = 0
+
+
+CERTIFY_DEFAULTS = CertifyDefaults()
+
 # Larger models are refused before any allocation (4 GiB of float32 weights).
 MAX_PARAMETERS = 2**30
 

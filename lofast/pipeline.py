@@ -1,10 +1,13 @@
-"""What runs after LoFAST on the samples it leaves open: the (alpha-)CROWN fallback and the
-PGD falsifier. Both update the per-sample records in place, eps by eps."""
+"""The certification pipeline on a data set: LoFAST on each batch gives one record per sample
+(``certify_batch``); then, on the samples it leaves open, the (alpha-)CROWN fallback and the
+PGD falsifier update those records in place, eps by eps. The CLI and the Python API
+(``lofast.api``) both run it; neither prints here.
+"""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from lofast.certificate import Certifier, CertifySettings
 from lofast.errors import CertificationError, LofastError
 from lofast.report import SampleRecord, eps_key
 
@@ -117,3 +121,84 @@ def _describe(counterexample: tuple[Tensor, int], image: Tensor, record: SampleR
             raise LofastError(f"cannot write {path}: {e.strerror or e}") from None
         file = str(path)
     return {"norm": float(perturbation.norm()), "class": adversarial_class, "file": file}
+
+
+def default_batch_size(device: torch.device) -> int:
+    """Samples certified together when no batch size is given: 16 on CPU, where larger batches
+    ran slower per sample in benchmarks/bench_certify.py, 256 on GPU."""
+    return 256 if device.type == "cuda" else 16
+
+
+def load_samples(model: nn.Module, metadata: dict, data: object, dataset: str | None,
+                 split: str, limit: int | None) -> tuple[object, np.ndarray]:
+    """(data set, indices to evaluate): ``data`` is None (the bundled sample), a path, or an
+    ImageDataset already loaded; ``dataset`` its kind (default: the checkpoint's). The indices
+    are the first ``limit`` of the class-balanced order (all when None). Refuses images of
+    another shape, or classes other than the checkpoint's."""
+    from lofast.checkpoint import check_data_fits
+    from lofast.data import ImageDataset, load_dataset
+    from lofast.data.sample import class_balanced_order, load_bundled_sample
+
+    if data is None:
+        data = load_bundled_sample()
+    elif not isinstance(data, ImageDataset):
+        data = load_dataset(data, split, dataset or metadata.get("dataset"))
+    check_data_fits(model, metadata, data)
+    return data, class_balanced_order(data.labels)[:limit]
+
+
+def run_settings(checkpoint_digest: str, data: object, split: str, settings: CertifySettings,
+                 fallback: str = "none", fallback_timeout: float | None = None,
+                 attack: AttackSettings | None = None) -> dict:
+    """What every record's verdicts depend on (``SampleRecord.run``): a resumed run must match."""
+    return {"checkpoint": checkpoint_digest, "data": f"{data.digest()[:16]} ({split})",
+            "bound": settings.describe(), "kappa": float(settings.kappa),
+            "guarantee": settings.guarantee, "fallback": fallback,
+            "fallback_timeout": fallback_timeout, "seed": settings.seed,
+            "attack": attack.describe() if attack is not None else None}
+
+
+def certified_batches(certifier: Certifier, data: object, indices: Sequence[int],
+                      eps: Sequence[float], run: dict, batch_size: int,
+                      ) -> Iterator[tuple[Tensor, list[SampleRecord], float]]:
+    """LoFAST on ``data``'s samples ``indices``, batch by batch: yields the batch's images
+    (B, C, H, W), a record per sample and the per-sample failure probability of the batch's
+    certificate (0 under the exact guarantee)."""
+    for start in range(0, len(indices), batch_size):
+        index = [int(i) for i in indices[start:start + batch_size]]
+        x, y = data.subset(index).to_tensors()
+        records, failure = _batch_records(certifier, x, y, index, eps, run)
+        yield x, records, failure
+
+
+def _batch_records(certifier: Certifier, images: Tensor, labels: Tensor, indices: Sequence[int],
+                   eps: Sequence[float], run: dict) -> tuple[list[SampleRecord], float]:
+    """A record per sample (verdicts, feature radii and certified radius at every eps, keyed by
+    ``eps_key``) and the failure probability; images (B, C, H, W), labels (B,)."""
+    cert = certifier.certify(images, labels)
+    eps_tensor = torch.tensor(list(eps), dtype=torch.float64)
+    verdicts = cert.certified(eps_tensor).cpu()
+    feature = cert.feature_radius(eps_tensor).cpu()
+    radius = cert.radius().cpu()
+    margin = cert.margin.cpu()
+    predictions = cert.predictions.cpu()
+    per_sample = cert.seconds / len(indices)
+    keys = [eps_key(e) for e in eps]
+    records = [
+        SampleRecord(
+            index=int(i), label=int(labels[b]), prediction=int(predictions[b]),
+            margin=float(margin[b]), radius=float(radius[b]),
+            verdicts={key: bool(verdicts[b, k]) for k, key in enumerate(keys)},
+            bounds={key: float(feature[b, k]) for k, key in enumerate(keys)},
+            verifiers={key: "lofast" if verdicts[b, k] else None for k, key in enumerate(keys)},
+            seconds=per_sample, run=run)
+        for b, i in enumerate(indices)]
+    return records, cert.failure_probability
+
+
+def guarantee_text(settings: CertifySettings, failure_probability: float) -> str:
+    """The summary's line on what the certificates guarantee."""
+    text = settings.method.describe()
+    if failure_probability > 0:
+        text += f"; per-sample failure probability <= {failure_probability:.1e}"
+    return text

@@ -9,15 +9,14 @@ import torch
 from click.testing import CliRunner
 
 from lofast.attention_report import ablate_attention, attention_report, mean_attention
-from lofast.bounds.attention import attention_probabilities
+from lofast.bounds.attention import AttentionSpec, attention_probabilities
 from lofast.bounds.spectral import SpectralMethod
-from lofast.certify import Certifier, CertifySettings, attention_weights
+from lofast.certificate import Certifier, CertifySettings
 from lofast.checkpoint import save_checkpoint
 from lofast.cli.main import cli
 from lofast.config import preset
 from lofast.errors import CertificationError
 from lofast.models.layers import Attention
-from lofast.models.structure import AttentionSpec
 from lofast.models.vit import create_model
 
 EXACT = CertifySettings(method=SpectralMethod(kind="verified"))  # `lofast certify`'s default
@@ -105,7 +104,7 @@ def test_mean_is_taken_on_the_real_models_activations():
         _, activations = model.forward_with_activations(x.double())
         for i, spec in enumerate(model.structure()):
             if isinstance(spec, AttentionSpec):
-                probs = attention_probabilities(activations[i], attention_weights(spec, "cpu"))
+                probs = attention_probabilities(activations[i], spec)
                 torch.testing.assert_close(means[i], probs.mean(dim=0), rtol=0, atol=1e-14)
                 torch.testing.assert_close(means[i].sum(dim=-1),
                                            torch.ones_like(means[i][..., 0]))
@@ -122,7 +121,7 @@ def test_total_variation_against_a_direct_computation():
     rows = iter(report.heads)
     for i, spec in enumerate(model64.structure()):
         if isinstance(spec, AttentionSpec):
-            probs = attention_probabilities(activations[i], attention_weights(spec, "cpu"))
+            probs = attention_probabilities(activations[i], spec)
             for head in range(probs.shape[1]):
                 tv = [0.5 * sum(abs(float(p) - float(q)) for p, q in zip(row, mean_row))
                       for sample in probs[:, head] for row, mean_row in zip(sample, means[i][head])]

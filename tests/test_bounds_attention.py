@@ -11,7 +11,7 @@ from lofast.bounds import attention
 from lofast.bounds.attention import (
     REFERENCE_SLACK,
     AttentionSensitivity,
-    AttentionWeights,
+    AttentionSpec,
     attention_forward,
     attention_probabilities,
     attention_sensitivity,
@@ -41,7 +41,7 @@ def make_weights(h, d, dh, residual, seed, gain=1.0, bias_tokens=None):
 
     bias = (None if bias_tokens is None else
             2.0 * torch.randn(h, bias_tokens, bias_tokens, generator=g, dtype=torch.float64))
-    return AttentionWeights(query=draw(h, d, dh), key=draw(h, d, dh), value=draw(h, d, dh),
+    return AttentionSpec(query=draw(h, d, dh), key=draw(h, d, dh), value=draw(h, d, dh),
                             output=draw(h, dh, d), residual=residual, scale=math.sqrt(d / h),
                             position_bias=bias)
 
@@ -312,11 +312,11 @@ def test_guarantee_and_failure_probability():
     assert relaxed.failure_probability == pytest.approx(p)
     explicit = attention_sensitivity(X, w, first_order="naive", score_bound="relaxed",
                                      method=LANCZOS)
-    assert explicit.guarantee is Guarantee.DETERMINISTIC and explicit.failure_probability == 0
+    assert explicit.guarantee is Guarantee.EXACT and explicit.failure_probability == 0
     dense = attention_sensitivity(X, w, method=DENSE)
-    assert dense.guarantee is Guarantee.DETERMINISTIC and dense.failure_probability == 0
+    assert dense.guarantee is Guarantee.EXACT and dense.failure_probability == 0
     verified = attention_sensitivity(X, w, method=VERIFIED)
-    assert verified.guarantee is Guarantee.DETERMINISTIC and verified.failure_probability == 0
+    assert verified.guarantee is Guarantee.EXACT and verified.failure_probability == 0
     power = attention_sensitivity(X, w, method=SpectralMethod(kind="power"))
     assert power.guarantee is Guarantee.ESTIMATE and power.failure_probability == 0
     assert (power.zeta <= dense.zeta).all()
@@ -351,23 +351,23 @@ def test_validation():
     with pytest.raises(ValueError):
         attention_sensitivity(X, w, score_bound="tight")
     with pytest.raises(ValueError, match="shapes"):
-        AttentionWeights(query=w.query, key=w.key[:, :, :2], value=w.value, output=w.output,
+        AttentionSpec(query=w.query, key=w.key[:, :, :2], value=w.value, output=w.output,
                          residual=True, scale=2.0)
     with pytest.raises(ValueError, match="shapes"):
-        AttentionWeights(query=w.query, key=w.key, value=w.value, output=w.output[:, :, :3],
+        AttentionSpec(query=w.query, key=w.key, value=w.value, output=w.output[:, :, :3],
                          residual=True, scale=2.0)
     with pytest.raises(ValueError, match="scale"):
-        AttentionWeights(query=w.query, key=w.key, value=w.value, output=w.output,
+        AttentionSpec(query=w.query, key=w.key, value=w.value, output=w.output,
                          residual=True, scale=0.0)
     parts = {"query": w.query, "key": w.key, "value": w.value, "output": w.output,
              "residual": True, "scale": 2.0}
     with pytest.raises(ValueError, match="position bias must be"):
-        AttentionWeights(**parts, position_bias=torch.zeros(3, 3, 3, dtype=torch.float64))
+        AttentionSpec(**parts, position_bias=torch.zeros(3, 3, 3, dtype=torch.float64))
     with pytest.raises(ValueError, match="position bias must be"):
-        AttentionWeights(**parts, position_bias=torch.zeros(2, 3, 4, dtype=torch.float64))
+        AttentionSpec(**parts, position_bias=torch.zeros(2, 3, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="NaN"):
-        AttentionWeights(**parts, position_bias=torch.full((2, 3, 3), float("nan")))
-    biased = AttentionWeights(**parts, position_bias=torch.zeros(2, 4, 4, dtype=torch.float64))
+        AttentionSpec(**parts, position_bias=torch.full((2, 3, 3), float("nan")))
+    biased = AttentionSpec(**parts, position_bias=torch.zeros(2, 4, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="position bias expects 4"):
         attention_sensitivity(X, biased)
 
@@ -466,7 +466,7 @@ def test_verified_rejects_weights_out_of_range():
 def test_verified_zeta_of_a_zero_operator():
     # no residual and zero value weights: T_X = 0, and the bound is (essentially) 0, not NaN
     w = make_weights(2, 8, 4, False, seed=41)
-    w = AttentionWeights(query=w.query, key=w.key, value=torch.zeros_like(w.value),
+    w = AttentionSpec(query=w.query, key=w.key, value=torch.zeros_like(w.value),
                          output=w.output, residual=False, scale=w.scale)
     X = make_tokens(3, 4, 8, 1.0, seed=42)
     zeta = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
@@ -479,7 +479,7 @@ def test_verified_zeta_of_a_zero_operator():
 
 def with_score_gain(w, gain):
     """The same block with Wq, Wk scaled by gain (attention more uniform as gain -> 0)."""
-    return AttentionWeights(query=w.query * gain, key=w.key * gain, value=w.value,
+    return AttentionSpec(query=w.query * gain, key=w.key * gain, value=w.value,
                             output=w.output, residual=w.residual, scale=w.scale,
                             position_bias=w.position_bias)
 

@@ -88,7 +88,7 @@ def test_deterministic_norm_is_a_tight_upper_bound(name, kind, tolerance):
     assert bound.dtype == torch.float64 and bound.shape == exact.shape
     assert (bound >= exact).all()
     assert (bound <= exact * (1 + tolerance)).all()
-    assert SpectralMethod(kind=kind).guarantee is Guarantee.DETERMINISTIC
+    assert SpectralMethod(kind=kind).guarantee is Guarantee.EXACT
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -204,12 +204,12 @@ def test_method_validation_and_descriptions():
         with pytest.raises(ValueError):
             SpectralMethod(**bad)
     assert SpectralMethod().guarantee is Guarantee.PROBABILISTIC
-    assert SpectralMethod(kind="dense").guarantee is Guarantee.DETERMINISTIC
+    assert SpectralMethod(kind="dense").guarantee is Guarantee.EXACT
     line = SpectralMethod().describe(640)
     assert line.startswith("probabilistic") and "276 steps" in line and "1e-09" in line
-    assert SpectralMethod(kind="dense").describe().startswith("deterministic")
-    assert weakest_guarantee() is Guarantee.DETERMINISTIC
-    assert weakest_guarantee(Guarantee.DETERMINISTIC, Guarantee.PROBABILISTIC) \
+    assert SpectralMethod(kind="dense").describe().startswith("exact")
+    assert weakest_guarantee() is Guarantee.EXACT
+    assert weakest_guarantee(Guarantee.EXACT, Guarantee.PROBABILISTIC) \
         is Guarantee.PROBABILISTIC
     assert weakest_guarantee(Guarantee.ESTIMATE, Guarantee.PROBABILISTIC) is Guarantee.ESTIMATE
     with pytest.raises(ValueError):
@@ -322,7 +322,7 @@ def test_verified_rejects_bad_input():
     with pytest.raises(ValueError):
         SpectralMethod(kind="verified", estimate_steps=0)
     line = SpectralMethod(kind="verified").describe()
-    assert line.startswith("deterministic") and "Cholesky" in line
+    assert line.startswith("exact") and "Cholesky" in line
 
 
 def test_gram_with_error_bounds_the_rounding():

@@ -9,7 +9,7 @@ from helpers import train_tiny
 from lofast.attack import pgd_l2
 from lofast.bounds.compose import propagate
 from lofast.bounds.spectral import Guarantee, SpectralMethod
-from lofast.certify import Certifier, CertifySettings
+from lofast.certificate import Certifier, CertifySettings
 from lofast.checkpoint import default_checkpoint_path, load_checkpoint
 from lofast.data.sample import load_bundled_sample
 from lofast.errors import CertificationError
@@ -44,8 +44,8 @@ def test_model_learned_and_some_samples_certify(trained, certificate):
     _, _, y = trained
     assert (certificate.predictions == y).float().mean() > 0.9
     assert certificate.certified(EPS)[:, 0].any()
-    assert certificate.guarantee is Guarantee.PROBABILISTIC
-    assert 0 < certificate.failure_probability <= 1e-7
+    assert certificate.guarantee is Guarantee.EXACT  # the default, as the CLI's
+    assert certificate.failure_probability == 0
 
 
 @pytest.mark.parametrize("kind, model_name", [("lanczos", "trained"), ("verified", "trained"),
@@ -180,14 +180,15 @@ def test_certifier_computes_the_capped_weights_once(trained, certificate, monkey
 def test_probabilistic_and_exact_agree(trained):
     model, x, y = trained
     exact = Certifier(model, CertifySettings(method=SpectralMethod(kind="dense"))).certify(x, y)
-    prob = Certifier(model, CertifySettings()).certify(x, y)
-    assert exact.guarantee is Guarantee.DETERMINISTIC and exact.failure_probability == 0
+    prob = Certifier(model, CertifySettings(guarantee="probabilistic")).certify(x, y)
+    assert exact.guarantee is Guarantee.EXACT and exact.failure_probability == 0
+    assert prob.guarantee is Guarantee.PROBABILISTIC and 0 < prob.failure_probability <= 1e-7
     a, b = exact.feature_radius(EPS), prob.feature_radius(EPS)
     assert (b >= a * (1 - 1e-12)).all()
     assert (b <= a * (1 + 5e-3)).all()
     verified = Certifier(model, CertifySettings(method=SpectralMethod(kind="verified")))
     c = verified.certify(x, y)
-    assert c.guarantee is Guarantee.DETERMINISTIC and c.failure_probability == 0
+    assert c.guarantee is Guarantee.EXACT and c.failure_probability == 0
     v = c.feature_radius(EPS)
     # the verified method also bounds the norm of each block's Jacobian T_X + D_X directly
     # (bounds.near_reference), below the dense method's zeta + ||D_X||; PGD checks soundness

@@ -259,7 +259,7 @@ def test_certify_summary_jsonl_and_resume(checkpoint, data_dir, tmp_path):
         assert summary["certified_accuracy"][key] == pytest.approx(share)
     assert summary["clean_accuracy"] == pytest.approx(
         sum(r["label"] == r["prediction"] for r in records) / 10)
-    assert summary["guarantee"].startswith("deterministic")  # the default, --guarantee exact
+    assert summary["guarantee"].startswith("exact")  # the default, --guarantee exact
     # resume to 16 samples: the first 10 are kept, 6 are added
     result = runner.invoke(cli, base + ["--n", "16", "--out", str(out), "--resume", "--json"])
     assert result.exit_code == 0, result.output

@@ -9,10 +9,8 @@ import json
 import pytest
 import torch
 
-from lofast.bounds.spectral import SpectralMethod
-from lofast.certify import Certifier, CertifySettings
+from lofast.certificate import Certifier, CertifySettings
 from lofast.checkpoint import SHIPPED_DIR, load_checkpoint
-from lofast.cli.certify_cmd import GUARANTEES
 from lofast.data.sample import class_balanced_order, load_bundled_sample
 
 REFERENCE = SHIPPED_DIR / "reference.json"
@@ -30,9 +28,8 @@ def certificate(reference):
     data = load_bundled_sample()
     subset = data.subset(class_balanced_order(data.labels)[: reference["samples"]])
     x, y = subset.to_tensors()
-    kind = GUARANTEES[reference["guarantee"]]
     settings = CertifySettings(bound=reference["bound"], kappa=reference["kappa"],
-                               method=SpectralMethod(kind=kind))
+                               guarantee=reference["guarantee"])
     return Certifier(model, settings).certify(x, y)
 
 

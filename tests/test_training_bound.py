@@ -5,15 +5,17 @@ import copy
 import pytest
 import torch
 
-from lofast.bounds.attention import AttentionWeights, attention_sensitivity
+from lofast.bounds.attention import AttentionSpec, attention_sensitivity
 from lofast.bounds.estimate import (
     attention_sensitivity_estimate,
     product_norm,
     row_space_factor,
     top_singular_value_estimate,
 )
+from lofast.bounds.compose import ProjectionStep
 from lofast.bounds.spectral import SpectralMethod
-from lofast.certify import Certifier, CertifySettings
+from lofast.bounds.stages import radius_maps
+from lofast.certificate import Certifier, CertifySettings
 from lofast.config import TrainConfig, preset
 from lofast.models.vit import create_model
 from lofast.train import head_pair_norms, scheduled_eps, training_loss
@@ -45,26 +47,35 @@ def converged_radius(model, x, eps, iterations=2000):
     return bound(model, x, eps)
 
 
-@pytest.mark.parametrize("long_patches, position_bias", [(False, False), (True, False),
-                                                         (False, True)])
-def test_training_bound_agrees_with_the_certifier(long_patches, position_bias):
-    """Converged power iteration reproduces the certifier's feature radius from below. With
-    long patch tokens (a large embedding bias) and the zero class token, the first LayerProject
-    contracts only if both leave the constant class token out, as they must. With position
-    biases both must evaluate attention at the biased scores."""
+@pytest.mark.parametrize("position_bias", [False, True])
+def test_training_bound_agrees_with_the_certifier_stage_by_stage(position_bias):
+    """Training and certification walk the stages with one function (``radius_maps``): the
+    same maps in the same order, equal where no norm is estimated, and converged power
+    iteration reproduces the certifier's attention maps from below, so the end-to-end radius
+    too. Long patch tokens (a large embedding bias) beside the zero class token: the first
+    LayerProject contracts only because the walk leaves the constant class token out. With
+    position biases both evaluate attention at the biased scores."""
     model = small_model(position_bias=position_bias)
-    if long_patches:
-        with torch.no_grad():
-            model.stages[0].bias.fill_(6.0 / model.config.width ** 0.5)  # patch norms ~6 > R
+    with torch.no_grad():
+        model.stages[0].bias.fill_(6.0 / model.config.width ** 0.5)  # patch norms ~6 > R
     x = images(6)
-    labels = torch.zeros(6, dtype=torch.long)
-    certificate = Certifier(model, CertifySettings(method=DENSE)).certify(x, labels)
-    for eps in (0.01, 0.1, 0.5):
-        reference = certificate.feature_radius(torch.tensor([eps]))[:, 0]
-        _, radius = converged_radius(model, x, eps)
-        radius = radius.double()
-        assert (radius <= reference * (1 + 1e-6)).all(), (radius, reference)
-        assert (radius >= reference * (1 - 1e-4)).all(), (radius, reference)
+    certifier = Certifier(model, CertifySettings(method=DENSE))
+    certificate = certifier.certify(x, torch.zeros(6, dtype=torch.long))
+    bound = TrainingBound(1000, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, activations = model.forward_with_activations(x)
+        estimated = radius_maps(model.structure(differentiable=True), activations, bound)
+    assert [type(step) for step in estimated] == [type(step) for step in certificate.steps]
+    assert any(isinstance(step, ProjectionStep) and (step.min_norm > 2.0).all()
+               for step in estimated)  # a projection that contracts (R = 2)
+    eps = torch.tensor([0.01, 0.1, 0.5], dtype=torch.float64).expand(6, -1)
+    for mine, theirs in zip(estimated, certificate.steps):
+        ratio = mine.delta(eps) / theirs.delta(eps)
+        assert (ratio <= 1 + 1e-6).all() and (ratio >= 1 - 1e-4).all(), (type(mine), ratio)
+    bound.iterations = 1  # warm-started from the converged vectors
+    _, radius = bound(model, x, 0.1)  # the training entry point: the same walk, composed
+    reference = certificate.feature_radius(torch.tensor([0.1]))[:, 0]
+    assert (radius <= reference * (1 + 1e-6)).all() and (radius >= reference * (1 - 1e-4)).all()
 
 
 def test_explicit_norms_equal_the_certifiers():
@@ -76,7 +87,7 @@ def test_explicit_norms_equal_the_certifiers():
     query, key, value = (torch.randn(heads, d, dh, generator=g, dtype=torch.float64)
                          for _ in range(3))
     output = torch.randn(heads, dh, d, generator=g, dtype=torch.float64)
-    w = AttentionWeights(query, key, value, output, residual=True, scale=dh ** 0.5)
+    w = AttentionSpec(query, key, value, output, residual=True, scale=dh ** 0.5)
     tokens = torch.randn(4, 5, d, generator=g, dtype=torch.float64) / d ** 0.5
     exact = attention_sensitivity(tokens, w, score_bound="relaxed", method=DENSE)
     estimate, _ = attention_sensitivity_estimate(tokens, w, iterations=1)
@@ -93,7 +104,7 @@ def test_softmax_first_order_estimate_converges_to_the_certifiers():
                          for _ in range(3))
     output = torch.randn(heads, dh, d, generator=g, dtype=torch.float64)
     query.requires_grad_(True)
-    w = AttentionWeights(query, key, value, output, residual=True, scale=dh ** 0.5)
+    w = AttentionSpec(query, key, value, output, residual=True, scale=dh ** 0.5)
     tokens = torch.randn(3, 5, d, generator=g, dtype=torch.float64) / d ** 0.5
     exact = attention_sensitivity(tokens, w, score_bound="relaxed", softmax_jacobian=True,
                                   method=DENSE)
@@ -119,7 +130,7 @@ def test_softmax_first_order_estimate_is_the_cheap_bound_where_attention_is_near
                   for _ in range(2))
     value = torch.randn(heads, d, dh, generator=g, dtype=torch.float64) / d ** 0.5
     output = torch.randn(heads, dh, d, generator=g, dtype=torch.float64) / d ** 0.5
-    w = AttentionWeights(query, key, value, output, residual=True, scale=dh ** 0.5)
+    w = AttentionSpec(query, key, value, output, residual=True, scale=dh ** 0.5)
     tokens = torch.randn(3, 5, d, generator=g, dtype=torch.float64) / d ** 0.5
     exact = attention_sensitivity(tokens, w, score_bound="relaxed", softmax_jacobian=True,
                                   method=DENSE)
@@ -135,7 +146,7 @@ def test_warm_started_estimate_is_close_after_a_few_steps():
     """Two power steps from the previous batch's vectors: within 2 % of the dense zeta."""
     model = small_model()
     spec = model.structure()[2]
-    w = AttentionWeights(spec.query, spec.key, spec.value, spec.output, spec.residual, spec.scale)
+    w = AttentionSpec(spec.query, spec.key, spec.value, spec.output, spec.residual, spec.scale)
     _, acts = model.forward_with_activations(images(8))
     tokens = acts[2].detach()
     exact = attention_sensitivity(tokens, w, method=DENSE).zeta

@@ -147,7 +147,7 @@ START_NOISE = 0.3
 
 
 @dataclass(frozen=True)
-class AttentionWeights:
+class AttentionSpec:
     """Weights of one attention block, per head l = 1..h.
 
     query, key: (h, d, dh) Wq_l, Wk_l; value: (h, d, dv) Wv_l; output: (h, dv, d) Wo_l;
@@ -202,7 +202,7 @@ class AttentionWeights:
         """B_l = Wv_l Wo_l, (h, d, d) float64 (matrix-vector products use the factors)."""
         return _f64(self.value) @ _f64(self.output)
 
-    # Weights-only quantities, computed once per AttentionWeights (a certifier keeps one per
+    # Weights-only quantities, computed once per AttentionSpec (a certifier keeps one per
     # block, so once per model) on the weights' device. The tensors must not change afterwards.
     @functools.cached_property
     def weight_norms(self) -> tuple[Tensor, Tensor]:
@@ -292,7 +292,7 @@ class AttentionSensitivity:
     value_weight_norm: Tensor  # (h,) ||B_l||
     scale: float  # s
     kappa: float  # softmax Lipschitz constant used (1 = paper, 0.5 = tight)
-    guarantee: Guarantee = Guarantee.DETERMINISTIC
+    guarantee: Guarantee = Guarantee.EXACT
     failure_probability: float = 0.0
     softmax_first_order: Tensor | None = None  # (B,) zeta_s >= ||D_X||: enables the refinement
     jacobian: Tensor | None = None  # (B,) >= ||T_X + D_X||, used by the refinement if given
@@ -338,13 +338,13 @@ class AttentionSensitivity:
         return eps.square() * quadratic.sum(dim=-1)
 
 
-def attention_probabilities(X: Tensor, w: AttentionWeights) -> Tensor:
+def attention_probabilities(X: Tensor, w: AttentionSpec) -> Tensor:
     """P_l(X) = row_softmax(X Wq_l (X Wk_l)^T / s + C_l): (B, n, d) -> (B, h, n, n) float64."""
     X = _check_tokens(X, w)
     return _probabilities(X, w)
 
 
-def attention_forward(X: Tensor, w: AttentionWeights) -> Tensor:
+def attention_forward(X: Tensor, w: AttentionSpec) -> Tensor:
     """The exact block F(X) = H X + sum_l P_l(X) X Wv_l Wo_l: (B, n, d) -> (B, n, d) float64."""
     X = _check_tokens(X, w)
     probs = _probabilities(X, w)
@@ -352,7 +352,7 @@ def attention_forward(X: Tensor, w: AttentionWeights) -> Tensor:
     return out + X if w.residual else out
 
 
-def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
+def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
                           first_order: str = "lofast", score_bound: str = "exact",
                           softmax_jacobian: bool = False,
                           method: SpectralMethod = DEFAULT_METHOD,
@@ -441,7 +441,7 @@ def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
             softmax[rows] = torch.minimum(softmax[rows], exact)
         matrix_free += 1
 
-    guarantee = method.guarantee if matrix_free else Guarantee.DETERMINISTIC
+    guarantee = method.guarantee if matrix_free else Guarantee.EXACT
     failure = (matrix_free * method.failure_probability
                if guarantee is Guarantee.PROBABILISTIC else 0.0)
     return AttentionSensitivity(zeta=zeta, score_sensitivity=score, value_norm=value_norm,
@@ -454,7 +454,7 @@ def attention_sensitivity(X: Tensor, w: AttentionWeights, *, kappa: float = 0.5,
 
 def _verified_near_reference(X: Tensor, probs: Tensor, x_query: Tensor, x_key: Tensor,
                              x_value: Tensor, x_value_out: Tensor, score: Tensor,
-                             w: AttentionWeights, method: SpectralMethod, near: Tensor,
+                             w: AttentionSpec, method: SpectralMethod, near: Tensor,
                              deviation: Tensor,
                              softmax: Tensor | None) -> tuple[Tensor, Tensor | None,
                                                                Tensor | None]:
@@ -777,7 +777,7 @@ def near_reference_first_order_bound(probs: Tensor, reference: Tensor | None,
     """Deterministic upper bound on zeta = ||T_X|| (B,) from the split P_l = R_l + E_l (module
     docstring): ||T_R|| + sum_l ||E_l|| ||B_l||. probs (B, h, n, n); reference: R_l (h, n, n)
     float64, or None for U = 1 1^T / n; reference_norm >= ||T_R|| for exactly that R
-    (``AttentionWeights.reference_first_order``); value_weight_norm (h,) >= ||B_l||;
+    (``AttentionSpec.reference_first_order``); value_weight_norm (h,) >= ||B_l||;
     deviation: ``reference_deviation_norms(probs, reference)`` if already at hand.
 
     E_l is computed as fl(P_l - R_l) (R_l = fl(1/n) for U), off by at most u |E_l| + u (1 + u) / n
@@ -909,7 +909,7 @@ def softmax_first_order_maps(probs: Tensor, x_query: Tensor, x_key: Tensor, quer
     return apply, adjoint
 
 
-def _probabilities(X: Tensor, w: AttentionWeights) -> Tensor:
+def _probabilities(X: Tensor, w: AttentionSpec) -> Tensor:
     """P_l(X) in float64 for float64 tokens X (B, n, d) -> (B, h, n, n)."""
     query, key = _f64(w.query, X.device), _f64(w.key, X.device)
     return probabilities_from_projections(torch.einsum("bnd,hde->bhne", X, query),
@@ -927,7 +927,7 @@ def probabilities_from_projections(x_query: Tensor, x_key: Tensor, scale: float,
     return torch.softmax(scores, dim=-1)
 
 
-def _bias(w: AttentionWeights, device: torch.device) -> Tensor | None:
+def _bias(w: AttentionSpec, device: torch.device) -> Tensor | None:
     return None if w.position_bias is None else _f64(w.position_bias, device)
 
 
@@ -946,7 +946,7 @@ def _chunks(total: int, per_item: int, device: torch.device) -> list[slice]:
     return [slice(start, min(start + size, total)) for start in range(0, total, size)]
 
 
-def _check_tokens(X: Tensor, w: AttentionWeights) -> Tensor:
+def _check_tokens(X: Tensor, w: AttentionSpec) -> Tensor:
     """Validate clean tokens (B, n, d) and return them as float64."""
     if not isinstance(X, Tensor) or X.dim() != 3:
         raise ValueError(f"tokens must be a tensor (B, n, d), got "

@@ -26,7 +26,7 @@ from lofast.bounds.attention import (
     SOFTMAX_NEGLIGIBLE,
     TIGHT_KAPPA,
     AttentionSensitivity,
-    AttentionWeights,
+    AttentionSpec,
     first_order_maps,
     probabilities_from_projections,
     softmax_first_order_maps,
@@ -85,7 +85,7 @@ def product_norm(left: Tensor, right: Tensor) -> Tensor:
     return top_singular_value(torch.linalg.qr(left).R @ row_space_factor(right))
 
 
-def attention_sensitivity_estimate(X: Tensor, w: AttentionWeights, *, kappa: float = TIGHT_KAPPA,
+def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float = TIGHT_KAPPA,
                                    start: Tensor | None = None, iterations: int = 2,
                                    softmax_jacobian: bool = False,
                                    generator: torch.Generator | None = None,

@@ -3,9 +3,9 @@
 Power iteration approaches a spectral norm from below: its value is an estimate, never a
 certificate. This module offers four methods and says which guarantee each carries:
 
-- ``dense`` (DETERMINISTIC): materialise the operator, take its exact float64 spectral norm and
+- ``dense`` (EXACT): materialise the operator, take its exact float64 spectral norm and
   inflate it by ``ROUNDING_MARGIN``, which covers the rounding errors of the computation.
-- ``verified`` (DETERMINISTIC): materialise the operator's Gram matrix, estimate its top
+- ``verified`` (EXACT): materialise the operator's Gram matrix, estimate its top
   eigenvalue cheaply and prove ``c I - Gram`` positive definite with a float64 Cholesky
   factorisation, accounting for every rounding error (``verified_gram_norm``); about 8x cheaper
   than an eigensolver for a 640 x 640 Gram matrix, and at most ``1 + relative_slack`` times the
@@ -81,19 +81,20 @@ MAX_DOUBLINGS = 64
 
 
 class Guarantee(str, enum.Enum):
-    """What a computed norm is: a certificate (deterministic or probabilistic) or an estimate."""
+    """What a computed norm is: a certificate (exact or probabilistic) or an estimate. The
+    values are the names users choose (``lofast certify --guarantee``, ``config.GUARANTEES``)."""
 
-    DETERMINISTIC = "deterministic"  # exact dense float64 + rounding margin
+    EXACT = "exact"  # a deterministic upper bound: every rounding error accounted for
     PROBABILISTIC = "probabilistic"  # randomized Lanczos with a stated failure probability
     ESTIMATE = "estimate"  # power iteration: NOT an upper bound, never a certificate
 
 
-_ORDER = (Guarantee.DETERMINISTIC, Guarantee.PROBABILISTIC, Guarantee.ESTIMATE)
+_ORDER = (Guarantee.EXACT, Guarantee.PROBABILISTIC, Guarantee.ESTIMATE)
 
 
 def weakest_guarantee(*guarantees: Guarantee) -> Guarantee:
-    """The weakest of some guarantees (DETERMINISTIC for none)."""
-    return max(guarantees, key=_ORDER.index, default=Guarantee.DETERMINISTIC)
+    """The weakest of some guarantees (EXACT for none)."""
+    return max(guarantees, key=_ORDER.index, default=Guarantee.EXACT)
 
 
 @dataclass(frozen=True)
@@ -131,16 +132,16 @@ class SpectralMethod:
 
     @property
     def guarantee(self) -> Guarantee:
-        return {"dense": Guarantee.DETERMINISTIC, "lanczos": Guarantee.PROBABILISTIC,
-                "power": Guarantee.ESTIMATE, "verified": Guarantee.DETERMINISTIC}[self.kind]
+        return {"dense": Guarantee.EXACT, "lanczos": Guarantee.PROBABILISTIC,
+                "power": Guarantee.ESTIMATE, "verified": Guarantee.EXACT}[self.kind]
 
     def describe(self, dim: int | None = None) -> str:
         """One human line; with ``dim`` (the operator's smaller side) Lanczos names its steps."""
         if self.kind == "dense":
-            return (f"deterministic: exact float64 spectral norms, inflated by a relative "
+            return (f"exact: float64 spectral norms, inflated by a relative "
                     f"rounding margin of {ROUNDING_MARGIN:g}")
         if self.kind == "verified":
-            return ("deterministic: float64 Cholesky-verified upper bounds on the spectral norms "
+            return ("exact: float64 Cholesky-verified upper bounds on the spectral norms "
                     "(rounding errors bounded rigorously), normally within a relative slack of "
                     f"{self.relative_slack:g} of the exact norm")
         if self.kind == "power":

@@ -10,16 +10,10 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from lofast.config import BOUNDS, CERTIFY_DEFAULTS, GUARANTEES, KAPPAS
+
 console = Console(stderr=True, highlight=False)
 stdout = Console(highlight=False)
-
-GUARANTEES = {"exact": "verified", "probabilistic": "lanczos", "estimate": "power"}
-
-
-def default_batch_size(device) -> int:
-    """Samples certified together when --batch-size is not given: 16 on CPU, where larger
-    batches ran slower per sample in benchmarks/bench_certify.py, 256 on GPU."""
-    return 256 if device.type == "cuda" else 16
 
 
 class PositiveFloat(click.ParamType):
@@ -58,23 +52,6 @@ class Shard(click.ParamType):
         return index, count
 
 
-def load_samples(model, meta, data_path, dataset, split, limit):
-    """(data, order): the data set (the bundled sample when data_path is None, else the one at
-    data_path, of kind `dataset` or the checkpoint's) and the indices to evaluate, the first
-    `limit` of the class-balanced order (all when None). Refuses images of another shape or
-    classes other than the checkpoint's."""
-    from lofast.checkpoint import check_data_fits
-    from lofast.data import load_dataset
-    from lofast.data.sample import class_balanced_order, load_bundled_sample
-
-    if data_path is None:
-        data = load_bundled_sample()
-    else:
-        data = load_dataset(data_path, split, dataset or meta.get("dataset"))
-    check_data_fits(model, meta, data)
-    return data, class_balanced_order(data.labels)[:limit]
-
-
 @click.command()
 @click.option("--checkpoint", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Model to certify (default: the shipped default checkpoint).")
@@ -92,18 +69,20 @@ def load_samples(model, meta, data_path, dataset, split, limit):
               help="Samples certified together (default: 16 on CPU, where larger batches ran "
                    "slower per sample in benchmarks/bench_certify.py, 256 on GPU).")
 @click.option("--device", default="auto", show_default=True)
-@click.option("--bound", type=click.Choice(["lofast", "lofast-tight", "naive"]),
-              default="lofast", show_default=True,
+@click.option("--bound", type=click.Choice(BOUNDS), default=CERTIFY_DEFAULTS.bound,
+              show_default=True,
               help="lofast: Theorem 1 with xi (delta_2^(2)); lofast-tight: with ||M_l|| "
                    "(delta_2^(1)); naive: eq. (12) first-order term.")
-@click.option("--softmax-jacobian/--no-softmax-jacobian", default=True, show_default=True,
+@click.option("--softmax-jacobian/--no-softmax-jacobian",
+              default=CERTIFY_DEFAULTS.softmax_jacobian, show_default=True,
               help="Also bound the softmax's first-order term by the norm of its exact Jacobian "
                    "operator (a second-order refinement; the certificate takes the better bound). "
                    "Costs a norm per sample where attention is not near uniform.")
-@click.option("--kappa", type=click.Choice(["0.5", "1"]), default="0.5", show_default=True,
+@click.option("--kappa", type=click.Choice([f"{k:g}" for k in KAPPAS]),
+              default=f"{CERTIFY_DEFAULTS.kappa:g}", show_default=True,
               help="Softmax Lipschitz constant: 0.5 (tight) or 1 (the paper's).")
-@click.option("--guarantee", type=click.Choice(list(GUARANTEES)), default="exact",
-              show_default=True,
+@click.option("--guarantee", type=click.Choice(list(GUARANTEES)),
+              default=CERTIFY_DEFAULTS.guarantee, show_default=True,
               help="exact: float64 Cholesky-verified norms (deterministic, rounding bounded "
                    "rigorously); probabilistic: randomized Lanczos, each norm an upper bound "
                    "with probability >= 1 - 1e-9; estimate: power iteration, NOT a certificate.")
@@ -124,7 +103,8 @@ def load_samples(model, meta, data_path, dataset, split, limit):
 @click.option("--save-adversarial", type=click.Path(path_type=Path, file_okay=False),
               default=None, help="With --attack: write each counterexample to this folder "
                                  "(.npz: image, perturbation, label, class, eps).")
-@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=CERTIFY_DEFAULTS.seed,
+              show_default=True)
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Write one JSON record per sample (JSONL) as the run goes.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from --out.")
@@ -145,7 +125,6 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
             attack_steps, attack_restarts, attack_box, save_adversarial, seed, out,
             resume, shard, as_json, attention_report) -> None:
     """Certify l2 robustness of every sample with the LoFAST bound."""
-    import torch
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -155,8 +134,7 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
         TimeRemainingColumn,
     )
 
-    from lofast.bounds.spectral import SpectralMethod
-    from lofast.certify import Certifier, CertifySettings
+    from lofast.certificate import Certifier, CertifySettings
     from lofast.checkpoint import (
         default_checkpoint_path,
         file_digest,
@@ -166,11 +144,18 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
     from lofast.cli.progress import PlainProgress
     from lofast.distributed import gather_on_first, process_group, torchrun_rank
     from lofast.errors import LofastError
-    from lofast.pipeline import AttackSettings, run_attack, run_fallback
+    from lofast.pipeline import (
+        AttackSettings,
+        certified_batches,
+        default_batch_size,
+        guarantee_text,
+        load_samples,
+        run_attack,
+        run_fallback,
+        run_settings,
+    )
     from lofast.report import (
         RecordWriter,
-        SampleRecord,
-        eps_key,
         merge_runs,
         summarize,
         summary_table,
@@ -211,20 +196,16 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
         order = order[shard[0]::shard[1]]
     eps = sorted(set(eps_values))
     settings = CertifySettings(bound=bound, kappa=float(kappa), seed=seed,
-                               softmax_jacobian=softmax_jacobian,
-                               method=SpectralMethod(kind=GUARANTEES[guarantee]))
+                               softmax_jacobian=softmax_jacobian, guarantee=guarantee)
     certifier = Certifier(model, settings, dev)
-    run = {"checkpoint": file_digest(checkpoint)[:16], "data": f"{data.digest()[:16]} ({split})",
-           "bound": settings.describe(), "kappa": float(kappa), "guarantee": guarantee,
-           "fallback": fallback, "fallback_timeout": fallback_timeout, "seed": seed,
-           "attack": attack_settings.describe() if attack else None}
+    run = run_settings(file_digest(checkpoint)[:16], data, split, settings, fallback,
+                       fallback_timeout, attack_settings if attack else None)
     writer = RecordWriter(out, resume, eps, run)
     todo = [int(i) for i in order if int(i) not in writer.done]
     # a file resumed with a smaller --n holds records outside this run's samples: not counted
     records = [writer.done[int(i)] for i in order if int(i) in writer.done]
     if records:
         console.print(f"resuming: {len(records)} samples already certified in {out}")
-    eps_tensor = torch.tensor(eps, dtype=torch.float64)
     started = time.perf_counter()
     failure_probability = 0.0
     plain = PlainProgress(console)
@@ -234,26 +215,10 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
         with Progress(*columns, console=console, transient=True) as progress:
             task = progress.add_task("certify", total=len(order), completed=len(records),
                                      rate="")
-            for start in range(0, len(todo), batch_size):
-                index = todo[start:start + batch_size]
-                x, y = data.subset(index).to_tensors()
-                cert = certifier.certify(x, y)
-                verdicts = cert.certified(eps_tensor).cpu()
-                feature = cert.feature_radius(eps_tensor).cpu()
-                radius = cert.radius().cpu()
-                margin = cert.margin.cpu()
-                failure_probability = max(failure_probability, cert.failure_probability)
-                per_sample = cert.seconds / len(index)
-                batch_records = [
-                    SampleRecord(
-                        index=i, label=int(y[b]), prediction=int(cert.predictions[b]),
-                        margin=float(margin[b]), radius=float(radius[b]),
-                        verdicts={eps_key(e): bool(verdicts[b, k]) for k, e in enumerate(eps)},
-                        bounds={eps_key(e): float(feature[b, k]) for k, e in enumerate(eps)},
-                        verifiers={eps_key(e): "lofast" if verdicts[b, k] else None
-                                   for k, e in enumerate(eps)},
-                        seconds=per_sample, run=run)
-                    for b, i in enumerate(index)]
+            for x, batch_records, failure in certified_batches(certifier, data, todo, eps, run,
+                                                               batch_size):
+                failure_probability = max(failure_probability, failure)
+                per_sample = batch_records[0].seconds
                 if fallback != "none":
                     run_fallback(model, x, batch_records, eps, fallback, fallback_timeout)
                 if attack:
@@ -261,7 +226,7 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
                 writer.write(batch_records)
                 records.extend(batch_records)
                 rate = f"{1e3 * per_sample:.2f} ms/sample"
-                progress.update(task, advance=len(index), rate=rate)
+                progress.update(task, advance=len(batch_records), rate=rate)
                 plain(f"certified {len(records)}/{len(order)} samples, {rate}")
     finally:
         writer.close()
@@ -273,11 +238,9 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
         records = merge_runs(parts)
         if merged_out is not None:
             write_records(merged_out, records)
-    guarantee_text = settings.method.describe()
-    if failure_probability > 0:
-        guarantee_text += f"; per-sample failure probability <= {failure_probability:.1e}"
-    summary = summarize(records, eps, time.perf_counter() - started, guarantee_text,
-                        settings.describe(), float(kappa), str(dev))
+    summary = summarize(records, eps, time.perf_counter() - started,
+                        guarantee_text(settings, failure_probability), settings.describe(),
+                        float(kappa), str(dev))
     attention = None
     if attention_report:
         attention = measure_attention(model, data, [r.index for r in records], records, eps,

@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from lofast.cli.certify_cmd import GUARANTEES, PositiveFloat, default_batch_size
+from lofast.cli.certify_cmd import PositiveFloat
 
 stdout = Console(highlight=False)
 console = Console(stderr=True, highlight=False)
@@ -46,11 +46,11 @@ def info(checkpoint: Path, data_path, sample, dataset, split, limit, eps_values,
     model with every P_l(X) replaced by its mean (clean accuracy, predictions changed, and with
     --eps certified accuracy of both models).
     """
+    from lofast.bounds.attention import AttentionSpec
     from lofast.bounds.spectral import matrix_norm_upper
-    from lofast.certify import stage_lipschitz
+    from lofast.bounds.stages import stage_lipschitz
     from lofast.checkpoint import load_checkpoint, read_metadata
     from lofast.errors import LofastError
-    from lofast.models.structure import AttentionSpec
 
     measuring = data_path is not None or sample
     if data_path is not None and sample:
@@ -94,15 +94,14 @@ def show_attention(model, meta, data_path, dataset, split, limit, eps_values, ba
     """Measure attention on the data (the bundled sample when data_path is None) and print the
     per-head table and the ablation."""
     from lofast.attention_report import attention_report
-    from lofast.bounds.spectral import SpectralMethod
-    from lofast.certify import CertifySettings
-    from lofast.cli.certify_cmd import load_samples
+    from lofast.certificate import CertifySettings
     from lofast.cli.progress import phase_progress
+    from lofast.pipeline import default_batch_size, load_samples
     from lofast.report import ablation_table, attention_table
     from lofast.train import resolve_device
 
     dev = resolve_device(device)
-    settings = CertifySettings(method=SpectralMethod(kind=GUARANTEES["exact"]))
+    settings = CertifySettings()
     data, order = load_samples(model, meta, data_path, dataset, split, limit)
     x, y = data.subset(order).to_tensors()
     with phase_progress(console) as progress:

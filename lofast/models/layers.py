@@ -1,5 +1,9 @@
 """Lipschitz building blocks of the ViT. Each stage module reports its exact structure via spec().
 
+``spec()`` gives detached float64 copies of the effective weights (what a certificate reads);
+``spec(differentiable=True)`` the effective weights themselves, in the working precision and
+with gradients (what the certified-training bound reads). Both describe the same function.
+
 Weights are kept raw and made effective in every forward pass (a spectral cap, SLL's
 rescaling, row normalisation), so training, certification and export all see one function.
 """
@@ -12,15 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lofast.bounds.attention import AttentionSpec
+from lofast.bounds.stages import EmbedSpec, HeadSpec, PoolSpec, ProjectSpec, SLLSpec
 from lofast.errors import LofastError
-from lofast.models.structure import (
-    AttentionSpec,
-    EmbedSpec,
-    HeadSpec,
-    PoolSpec,
-    ProjectSpec,
-    SLLSpec,
-)
 
 # SLL's rescaling t is inflated by this factor so that diag(t) - W^T W stays positive
 # semidefinite with room to spare after floating-point rounding (the certifier re-checks it).
@@ -37,6 +35,10 @@ def spectral_cap(weight: Tensor, cap: float | None) -> Tensor:
 
 def _frozen(t: Tensor) -> Tensor:
     return t.detach().to(torch.float64).clone(memory_format=torch.contiguous_format)
+
+
+def _spec_tensor(t: Tensor, differentiable: bool) -> Tensor:
+    return t if differentiable else _frozen(t)
 
 
 class HoldsCappedWeights:
@@ -86,8 +88,8 @@ class PatchEmbed(HoldsCappedWeights, nn.Module):
         cls = self.cls_token.expand(tokens.shape[0], 1, -1)
         return torch.cat([cls, tokens], dim=1)
 
-    def spec(self) -> EmbedSpec:
-        return EmbedSpec(weight=_frozen(self.effective_weight()),
+    def spec(self, differentiable: bool = False) -> EmbedSpec:
+        return EmbedSpec(weight=_spec_tensor(self.effective_weight(), differentiable),
                          constant_tokens=self.constant_tokens)
 
 
@@ -106,7 +108,7 @@ class LayerProject(nn.Module):
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         return x * torch.clamp(self.radius / torch.clamp(norm, min=1e-30), max=1.0)
 
-    def spec(self) -> ProjectSpec:
+    def spec(self, differentiable: bool = False) -> ProjectSpec:
         return ProjectSpec(radius=self.radius)
 
 
@@ -203,8 +205,8 @@ class Attention(HoldsCappedWeights, nn.Module):
             weights["position_bias"] = self.position_bias
         return weights
 
-    def spec(self) -> AttentionSpec:
-        w = {name: _frozen(t) for name, t in self.head_weights().items()}
+    def spec(self, differentiable: bool = False) -> AttentionSpec:
+        w = {name: _spec_tensor(t, differentiable) for name, t in self.head_weights().items()}
         return AttentionSpec(**w, residual=True, scale=self.scale)
 
 
@@ -232,9 +234,10 @@ class SLL(nn.Module):
         hidden = torch.relu(x @ self.weight + self.bias) / self.rescaling()
         return x - 2.0 * hidden @ self.weight.T
 
-    def spec(self) -> SLLSpec:
-        return SLLSpec(weight=_frozen(self.weight), bias=_frozen(self.bias),
-                       t=_frozen(self.rescaling()))
+    def spec(self, differentiable: bool = False) -> SLLSpec:
+        return SLLSpec(weight=_spec_tensor(self.weight, differentiable),
+                       bias=_spec_tensor(self.bias, differentiable),
+                       t=_spec_tensor(self.rescaling(), differentiable))
 
 
 class Pool(nn.Module):
@@ -250,7 +253,7 @@ class Pool(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return x.mean(dim=1) if self.kind == "mean" else x[:, 0]
 
-    def spec(self) -> PoolSpec:
+    def spec(self, differentiable: bool = False) -> PoolSpec:
         return PoolSpec(kind=self.kind, num_tokens=self.num_tokens)
 
 
@@ -269,5 +272,6 @@ class NormalizedHead(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.effective_weight(), self.bias)
 
-    def spec(self) -> HeadSpec:
-        return HeadSpec(weight=_frozen(self.effective_weight()), bias=_frozen(self.bias))
+    def spec(self, differentiable: bool = False) -> HeadSpec:
+        return HeadSpec(weight=_spec_tensor(self.effective_weight(), differentiable),
+                        bias=_spec_tensor(self.bias, differentiable))

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from lofast.bounds.stages import StageSpec
 from lofast.config import ModelConfig
 from lofast.errors import LofastError
 from lofast.models.layers import (
@@ -20,7 +21,6 @@ from lofast.models.layers import (
     PatchEmbed,
     Pool,
 )
-from lofast.models.structure import StageSpec
 
 
 class LipschitzViT(nn.Module):
@@ -84,10 +84,11 @@ class LipschitzViT(nn.Module):
             if isinstance(stage, HoldsCappedWeights):
                 stage.hold_effective_weights(hold)
 
-    @torch.no_grad()
-    def structure(self) -> list[StageSpec]:
-        """The specs of all stages, in forward order, from the effective float64 weights."""
-        return [stage.spec() for stage in self.stages]
+    def structure(self, differentiable: bool = False) -> list[StageSpec]:
+        """The specs of all stages, in forward order: detached float64 copies of the effective
+        weights, or with ``differentiable`` the effective weights themselves (gradients flow)."""
+        with torch.set_grad_enabled(differentiable and torch.is_grad_enabled()):
+            return [stage.spec(differentiable) for stage in self.stages]
 
 
 # Options a trained model can take on (``lofast train --init CKPT --model-option ...``): each

@@ -1,0 +1,195 @@
+"""Clean activations + per-stage bounds -> certificates. No printing, no files.
+
+The certificate is for the model evaluated in float64: the forward pass, the margins and
+every bound are computed in float64 from the effective weights the model reports.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lofast.bounds.attention import AttentionSensitivity, AttentionSpec, attention_sensitivity
+from lofast.bounds.compose import RadiusMap, certified_radius, head_certified, propagate
+from lofast.bounds.spectral import (
+    Guarantee,
+    SpectralMethod,
+    matrix_norm_upper,
+    weakest_guarantee,
+)
+from lofast.bounds.stages import EmbedSpec, HeadSpec, check_stage, radius_maps
+from lofast.config import BOUNDS, CERTIFY_DEFAULTS, GUARANTEES, KAPPAS
+from lofast.errors import CertificationError
+from lofast.models.vit import LipschitzViT
+
+# Each bound's first-order term and score term; "lofast" is the paper's practical bound
+# delta_2^(2), "lofast-tight" its delta_2^(1), "naive" the first-order term of eq. (12).
+BOUND_TERMS = {
+    "lofast": ("lofast", "relaxed"),
+    "lofast-tight": ("lofast", "exact"),
+    "naive": ("naive", "relaxed"),
+}
+assert tuple(BOUND_TERMS) == BOUNDS
+
+
+def guarantee_name(method: SpectralMethod) -> str:
+    """The guarantee a spectral method delivers, by its user-facing name (``config.GUARANTEES``)."""
+    return method.guarantee.value
+
+
+@dataclass(frozen=True)
+class CertifySettings:
+    """How to certify; the defaults are the CLI's (``config.CERTIFY_DEFAULTS``).
+
+    guarantee names what the norms are ("exact", "probabilistic" or "estimate") and picks the
+    spectral method; a ``method`` given instead (e.g. dense norms in tests) sets the guarantee.
+    """
+
+    bound: str = CERTIFY_DEFAULTS.bound
+    kappa: float = CERTIFY_DEFAULTS.kappa
+    guarantee: str | None = None  # None: the method's, else CERTIFY_DEFAULTS.guarantee
+    method: SpectralMethod | None = None  # None: the guarantee's (config.GUARANTEES)
+    local_projection: bool = CERTIFY_DEFAULTS.local_projection
+    softmax_jacobian: bool = CERTIFY_DEFAULTS.softmax_jacobian
+    seed: int = CERTIFY_DEFAULTS.seed
+
+    def __post_init__(self) -> None:
+        if self.bound not in BOUND_TERMS:
+            raise CertificationError(f"unknown bound {self.bound!r}; choose from {', '.join(BOUNDS)}")
+        if self.kappa not in KAPPAS:
+            raise CertificationError("kappa must be 0.5 (tight) or 1 (the paper's)")
+        if self.guarantee is not None and self.guarantee not in GUARANTEES:
+            raise CertificationError(f"unknown guarantee {self.guarantee!r}; choose from "
+                                     f"{', '.join(GUARANTEES)}")
+        if self.method is None:  # frozen: fill in the derived fields once
+            guarantee = self.guarantee or CERTIFY_DEFAULTS.guarantee
+            object.__setattr__(self, "guarantee", guarantee)
+            object.__setattr__(self, "method", SpectralMethod(kind=GUARANTEES[guarantee]))
+        elif self.guarantee not in (None, guarantee_name(self.method)):
+            raise CertificationError(f"a {self.method.kind} method gives the "
+                                     f"{guarantee_name(self.method)} guarantee, not "
+                                     f"{self.guarantee}")
+        else:
+            object.__setattr__(self, "guarantee", guarantee_name(self.method))
+
+    def describe(self) -> str:
+        """The bound's name, as summaries report it."""
+        return f"{self.bound} + softmax Jacobian" if self.softmax_jacobian else self.bound
+
+
+@dataclass
+class BatchCertificate:
+    """Certificates of a batch; every per-stage quantity is eps-independent.
+
+    margins (B, C): z_y - z_j, +inf at j = y; pair_norms (B, C): ||w_y - w_j||; steps: the radius
+    maps from the image to the pooled features.
+    """
+
+    labels: Tensor
+    predictions: Tensor
+    margins: Tensor
+    pair_norms: Tensor
+    steps: list[RadiusMap]
+    guarantee: Guarantee
+    failure_probability: float  # per sample: union bound over its probabilistic norms
+    seconds: float  # wall time to compute this batch's quantities
+
+    @property
+    def margin(self) -> Tensor:
+        """min_j (z_y - z_j), (B,); negative when misclassified."""
+        return self.margins.min(dim=1).values
+
+    def feature_radius(self, eps: Tensor) -> Tensor:
+        """Bound on the change of the pooled features, (B, E), for image radii eps (E,)."""
+        eps = eps.to(self.margins)
+        return propagate(self.steps, eps[None, :].expand(len(self.labels), -1))
+
+    def certified(self, eps: Tensor) -> Tensor:
+        """(B, E) bool: label kept for every image within l2 distance eps."""
+        return head_certified(self.margins, self.pair_norms, self.feature_radius(eps))
+
+    def radius(self) -> Tensor:
+        """Largest certified radius per sample, (B,) (0 when misclassified)."""
+        return certified_radius(self.steps, self.margins, self.pair_norms)
+
+
+class VerifiedNorms:
+    """The certificate's ``bounds.stages.StageNorms``: sound float64 upper bounds (or, with a
+    weaker guarantee, the method's norms); per-model quantities computed once."""
+
+    def __init__(self, settings: CertifySettings, generator: torch.Generator) -> None:
+        self.settings = settings
+        self.generator = generator
+        self.embedding_norms: dict[int, float] = {}
+
+    def embedding_norm(self, index: int, weight: Tensor) -> float:
+        if index not in self.embedding_norms:
+            self.embedding_norms[index] = float(matrix_norm_upper(weight))
+        return self.embedding_norms[index]
+
+    def attention(self, index: int, tokens: Tensor, spec: AttentionSpec) -> RadiusMap:
+        first_order, score_bound = BOUND_TERMS[self.settings.bound]
+        return attention_sensitivity(
+            tokens, spec, kappa=self.settings.kappa, first_order=first_order,
+            score_bound=score_bound, softmax_jacobian=self.settings.softmax_jacobian,
+            method=self.settings.method, generator=self.generator)
+
+
+class Certifier:
+    """Certifies batches of images for one model; per-model quantities are computed once.
+
+    ``Certifier(model)`` certifies as ``lofast certify`` does by default: the LoFAST bound with
+    the softmax refinement, kappa 1/2, and the exact guarantee (deterministic upper bounds).
+    """
+
+    def __init__(self, model: LipschitzViT, settings: CertifySettings | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        self.settings = settings or CertifySettings()
+        self.device = torch.device(device)
+        self.model = copy.deepcopy(model).to(self.device, torch.float64).eval()
+        with torch.no_grad():
+            self.model.hold_effective_weights(True)  # the copy's weights never change
+        # specs on the certifier's device; an attention spec caches its weights-only norms
+        self.structure = self.model.structure()
+        if not isinstance(self.structure[0], EmbedSpec) or not isinstance(self.structure[-1], HeadSpec):
+            raise CertificationError("model must start with a patch embedding and end with a head")
+        for i, spec in enumerate(self.structure):
+            check_stage(spec, i)
+        self.norms = VerifiedNorms(self.settings,
+                                   torch.Generator(device=self.device).manual_seed(self.settings.seed))
+
+    @torch.no_grad()
+    def certify(self, images: Tensor, labels: Tensor) -> BatchCertificate:
+        """images (B, C, H, W) in [0, 1], labels (B,) -> certificates."""
+        started = time.perf_counter()
+        x = images.to(self.device, torch.float64)
+        if not torch.isfinite(x).all():
+            raise CertificationError("input images contain NaN or infinity")
+        if x.min() < 0 or x.max() > 1:
+            raise CertificationError("pixel values must lie in [0, 1]")
+        labels = labels.to(self.device)
+        logits, activations = self.model.forward_with_activations(x)
+        if not torch.isfinite(logits).all():
+            raise CertificationError("the model's output is not finite on these images")
+        steps = radius_maps(self.structure, activations, self.norms,
+                            self.settings.local_projection)
+        attention = [step for step in steps if isinstance(step, AttentionSensitivity)]
+        guarantee = weakest_guarantee(*(step.guarantee for step in attention))
+        failure = sum(step.failure_probability for step in attention)
+        head: HeadSpec = self.structure[-1]
+        true_logit = logits.gather(1, labels[:, None])
+        margins = true_logit - logits
+        margins.scatter_(1, labels[:, None], math.inf)
+        pair_norms = torch.linalg.vector_norm(head.weight[labels][:, None, :] - head.weight[None],
+                                              dim=-1)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return BatchCertificate(labels=labels, predictions=logits.argmax(dim=1), margins=margins,
+                                pair_norms=pair_norms, steps=steps, guarantee=guarantee,
+                                failure_probability=failure,
+                                seconds=time.perf_counter() - started)
