@@ -231,3 +231,19 @@ def test_bad_inputs(trained):
         certifier.certify(x[:2] + 2, y[:2])
     with pytest.raises(CertificationError):
         CertifySettings(bound="nope")
+
+
+def test_sll_check_is_a_rigorous_proof():
+    """An SLL layer passes only with a proof that diag(t) - W^T W is PSD, rounding included:
+    refused when its critical scale is missed by 1e-13, accepted with the model's own margin."""
+    from lofast.bounds.stages import SLLSpec, check_stage, sll_scaled_norm_upper
+
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(16, 48, generator=g, dtype=torch.float64)
+    q = torch.rand(48, generator=g, dtype=torch.float64) + 0.5
+    critical = torch.linalg.matrix_norm(weight / q.sqrt(), ord=2) ** 2  # t = c q is PSD iff c >= this
+    assert 1.0 <= sll_scaled_norm_upper(weight, q * critical) <= 1.0 + 2e-6
+    with pytest.raises(CertificationError, match="not provably 1-Lipschitz"):
+        check_stage(SLLSpec(weight, torch.zeros(48, dtype=torch.float64),
+                            q * critical * (1 - 1e-13)), 0)
+    check_stage(SLLSpec(weight, torch.zeros(48, dtype=torch.float64), q * critical * (1 + 1e-4)), 0)
