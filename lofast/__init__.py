@@ -20,7 +20,8 @@ _EXPORTS = {
     "Certification": "lofast.api", "Certifier": "lofast.certificate",
     "CertifySettings": "lofast.certificate",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = ["Certification", "Certifier", "CertifySettings", "certify", "load_data", "load_model"]
+assert sorted(__all__) == sorted(_EXPORTS)
 
 
 def __getattr__(name: str):

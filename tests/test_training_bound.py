@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from lofast.bounds.attention import AttentionSpec, attention_sensitivity
+from lofast.bounds.compose import ProjectionStep
 from lofast.bounds.estimate import (
     attention_sensitivity_estimate,
     product_norm,
     row_space_factor,
     top_singular_value_estimate,
 )
-from lofast.bounds.compose import ProjectionStep
 from lofast.bounds.spectral import SpectralMethod
 from lofast.bounds.stages import radius_maps
 from lofast.certificate import Certifier, CertifySettings
