@@ -7,14 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from lofast.bounds import attention
+from lofast.bounds import attention, first_order
 from lofast.bounds.attention import (
-    REFERENCE_SLACK,
     AttentionSensitivity,
     AttentionSpec,
     attention_forward,
     attention_probabilities,
     attention_sensitivity,
+)
+from lofast.bounds.first_order import (
+    REFERENCE_SLACK,
     first_order_factors,
     first_order_negated_gram,
     near_reference_first_order_bound,
@@ -227,11 +229,11 @@ def test_delta_dominates_pgd(residual, row_norm, biased):
     assert (attack > 0.5 * EPS).all()  # the attack really moved the output
     eps = EPS[None].expand(3, -1)
     for kappa in (0.5, 1.0):
-        for first_order, score_bound in [("lofast", "exact"), ("lofast", "relaxed"),
-                                         ("naive", "relaxed")]:
-            sens = attention_sensitivity(X, w, kappa=kappa, first_order=first_order,
+        for first, score_bound in [("lofast", "exact"), ("lofast", "relaxed"),
+                                   ("naive", "relaxed")]:
+            sens = attention_sensitivity(X, w, kappa=kappa, first_order=first,
                                          score_bound=score_bound, method=DENSE)
-            assert (sens.delta(eps) >= attack).all(), (kappa, first_order, score_bound)
+            assert (sens.delta(eps) >= attack).all(), (kappa, first, score_bound)
 
 
 @pytest.mark.parametrize("residual", [True, False])
@@ -440,8 +442,9 @@ def test_verified_zeta_with_a_too_low_estimate(monkeypatch):
     X = make_tokens(3, 5, 16, 1.0, seed=36)
     zeta_ref, _ = reference_first_order(X, w)
     good = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
-    monkeypatch.setattr(attention, "_first_order_estimate",
-                        lambda probs, f, start, steps: 0.5 * torch.ones(probs.shape[0]).to(probs))
+    for module in (attention, first_order):  # both call it
+        monkeypatch.setattr(module, "first_order_estimate",
+                            lambda probs, f, start, steps: 0.5 * torch.ones(probs.shape[0]).to(probs))
     low = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
     assert (low.numpy() >= zeta_ref).all() and (low.numpy() <= zeta_ref * (1 + 2 * SLACK)).all()
     assert (good.numpy() >= zeta_ref).all()
@@ -451,7 +454,7 @@ def test_verified_zeta_does_not_depend_on_chunking(monkeypatch):
     w = make_weights(2, 8, 4, False, seed=37)
     X = make_tokens(5, 4, 8, 1.0, seed=38)
     whole = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
-    monkeypatch.setattr(attention, "VERIFIED_CPU_ELEMENTS", 1)  # one sample per chunk
+    monkeypatch.setattr(first_order, "VERIFIED_CPU_ELEMENTS", 1)  # one sample per chunk
     single = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
     assert torch.allclose(whole, single, rtol=1e-12)
 
@@ -600,9 +603,10 @@ def test_verified_zeta_skips_the_gram_near_the_reference(monkeypatch, biased):
         assert steps == 1
         return real_lanczos(gram, start, steps)
 
-    real_lanczos = attention.lanczos_ritz
-    monkeypatch.setattr(attention, "first_order_negated_gram", no_gram)
-    monkeypatch.setattr(attention, "lanczos_ritz", rayleigh_quotient_only)
+    real_lanczos = first_order.lanczos_ritz
+    for module in (attention, first_order):  # both call it
+        monkeypatch.setattr(module, "first_order_negated_gram", no_gram)
+    monkeypatch.setattr(first_order, "lanczos_ritz", rayleigh_quotient_only)
     zeta = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
     assert (zeta >= exact).all() and (zeta <= exact * (1 + 2 * SLACK)).all()
 
@@ -618,14 +622,14 @@ def test_verified_zeta_takes_the_better_bound_per_sample(monkeypatch, deflated):
     X = torch.cat([make_tokens(3, 5, 12, 0.1, seed=48), make_tokens(3, 5, 12, 30.0, seed=49)])
     exact = torch.linalg.matrix_norm(materialised_operator(X, w), ord=2)
     sizes = []
-    real = attention.first_order_negated_gram
+    real = first_order.first_order_negated_gram
 
     def counting(probs, *args, **kwargs):
         sizes.append(probs.shape[0])
         return real(probs, *args, **kwargs)
 
     lanczos_samples = {}
-    real_lanczos = attention.lanczos_ritz
+    real_lanczos = first_order.lanczos_ritz
 
     def counting_lanczos(gram, start, steps):
         lanczos_samples[steps] = lanczos_samples.get(steps, 0) + start.shape[0]
@@ -636,8 +640,9 @@ def test_verified_zeta_takes_the_better_bound_per_sample(monkeypatch, deflated):
         return (torch.full((batch,), math.inf, dtype=torch.float64),
                 torch.zeros(batch, dtype=torch.float64))
 
-    monkeypatch.setattr(attention, "first_order_negated_gram", counting)
-    monkeypatch.setattr(attention, "lanczos_ritz", counting_lanczos)
+    for module in (attention, first_order):  # both call it
+        monkeypatch.setattr(module, "first_order_negated_gram", counting)
+    monkeypatch.setattr(first_order, "lanczos_ritz", counting_lanczos)
     if not deflated:
         monkeypatch.setattr(attention, "deflated_first_order_bound", useless)
     zeta = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta

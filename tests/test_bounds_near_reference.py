@@ -16,14 +16,13 @@ from test_bounds_attention import (
     with_score_gain,
 )
 
-from lofast.bounds import attention
+from lofast.bounds import attention, first_order
 from lofast.bounds.attention import (
     attention_forward,
     attention_probabilities,
     attention_sensitivity,
-    first_order_maps,
-    softmax_first_order_maps,
 )
+from lofast.bounds.first_order import first_order_maps
 from lofast.bounds.near_reference import (
     JacobianData,
     deflated_first_order_bound,
@@ -33,6 +32,7 @@ from lofast.bounds.near_reference import (
     jacobian_rounding,
     softmax_first_order_bound,
 )
+from lofast.bounds.softmax_terms import softmax_first_order_maps
 from lofast.bounds.spectral import matrix_norm_upper
 
 F64 = torch.float64
@@ -225,8 +225,9 @@ def test_verified_sensitivity_near_the_reference(monkeypatch, biased):
     def refuse(*args, **kwargs):
         raise AssertionError("no per-sample Gram matrix near the reference")
 
-    monkeypatch.setattr(attention, "first_order_negated_gram", refuse)
-    monkeypatch.setattr(attention, "_softmax_first_order_norm", refuse)
+    for module in (attention, first_order):  # both call it
+        monkeypatch.setattr(module, "first_order_negated_gram", refuse)
+    monkeypatch.setattr(attention, "softmax_first_order_norm", refuse)
     sens = attention_sensitivity(X, w, score_bound="relaxed", softmax_jacobian=True,
                                  method=VERIFIED)
     assert (sens.zeta >= first).all() and (sens.softmax_first_order >= softmax).all()
@@ -243,13 +244,13 @@ def test_far_from_the_reference_the_gram_matrices_take_over(monkeypatch):
     X = patterned_tokens("random", 3, n, d, seed=18)
     first, whole, softmax = dense_norms(X, w)
     calls = []
-    real = attention._softmax_first_order_norm
+    real = attention.softmax_first_order_norm
 
     def counting(probs, *args, **kwargs):
         calls.append(probs.shape[0])
         return real(probs, *args, **kwargs)
 
-    monkeypatch.setattr(attention, "_softmax_first_order_norm", counting)
+    monkeypatch.setattr(attention, "softmax_first_order_norm", counting)
     sens = attention_sensitivity(X, w, score_bound="relaxed", softmax_jacobian=True,
                                  method=VERIFIED)
     assert calls == [3]

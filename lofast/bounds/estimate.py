@@ -27,10 +27,9 @@ from lofast.bounds.attention import (
     TIGHT_KAPPA,
     AttentionSensitivity,
     AttentionSpec,
-    first_order_maps,
-    probabilities_from_projections,
-    softmax_first_order_maps,
 )
+from lofast.bounds.first_order import first_order_maps
+from lofast.bounds.softmax_terms import probabilities_from_projections, softmax_first_order_maps
 from lofast.bounds.spectral import Guarantee, LinearMap, power_iterate
 
 # Floor under squared norms before the square root (whose gradient is unbounded at 0) and under
