@@ -102,7 +102,7 @@ class Shard(click.ParamType):
                    "on the whole l2 ball either way).")
 @click.option("--save-adversarial", type=click.Path(path_type=Path, file_okay=False),
               default=None, help="With --attack: write each counterexample to this folder "
-                                 "(.npz: image, perturbation, label, class, eps).")
+                                 "(.npz: image, perturbation, label, adversarial_class, eps).")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=CERTIFY_DEFAULTS.seed,
               show_default=True)
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=None,

@@ -51,8 +51,9 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
               help="Start from this checkpoint's weights and architecture (fine-tuning, or "
                    "more epochs on a new schedule); replaces --preset and --model-option, "
                    "except --model-option position_bias=true, which adds zero position biases "
-                   "(the same function) to a checkpoint without them, and score_norm=G, which "
-                   "fixes every head's ||Wq_l Wk_l^T|| at G.")
+                   "(the same function) to a checkpoint without them, score_norm=G, which "
+                   "fixes every head's ||Wq_l Wk_l^T|| at G, and query_key=identity, which "
+                   "replaces the learned Wq, Wk by the identity.")
 @click.option("--epochs", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--lr", type=float, default=1e-3, show_default=True)
