@@ -119,12 +119,19 @@ def assert_close_weights(a, b):
         assert torch.allclose(a[key], b[key], rtol=1e-4, atol=1e-5), key
 
 
+@pytest.fixture(scope="module")
+def one_process_model(setup, tmp_path_factory, one_thread):
+    """Two epochs of plain training in this process, on one thread as torchrun's processes."""
+    one = tmp_path_factory.mktemp("one") / "one.safetensors"
+    assert CliRunner().invoke(cli, train_args(setup, one, "--epochs", "2")).exit_code == 0
+    return one
+
+
 @pytest.mark.slow
-def test_torchrun_training_equals_one_process(setup, tmp_path, one_thread):
+def test_torchrun_training_equals_one_process(setup, tmp_path, one_process_model):
     """Two gloo processes averaging the gradients of half batches take the steps one process
     takes on whole batches (up to rounding); rank 0 alone writes."""
-    one = tmp_path / "one.safetensors"
-    assert CliRunner().invoke(cli, train_args(setup, one, "--epochs", "2")).exit_code == 0
+    one = one_process_model
     two = tmp_path / "two.safetensors"
     done = torchrun(train_args(setup, two, "--epochs", "2"), tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -151,9 +158,8 @@ def test_torchrun_certified_training(setup, tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_run_stopped_by_time_limit_resumes_on_one_process(setup, tmp_path,
-                                                                  one_thread):
-    one = tmp_path / "one.safetensors"
-    assert CliRunner().invoke(cli, train_args(setup, one, "--epochs", "2")).exit_code == 0
+                                                                  one_process_model, one_thread):
+    one = one_process_model
     cut = tmp_path / "cut.safetensors"
     done = torchrun(train_args(setup, cut, "--epochs", "2", "--time-limit", "1e-6"), tmp_path)
     assert done.returncode != 0 and "time limit reached after epoch 1, step 1/" in done.stderr
