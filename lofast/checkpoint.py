@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,37 +19,10 @@ from safetensors.torch import load_file, safe_open, save_file
 from lofast import __version__
 from lofast.config import ModelConfig
 from lofast.errors import CheckpointError, LofastError
+from lofast.files import atomic_write
 from lofast.models.vit import LipschitzViT
 
 FORMAT = "lofast-checkpoint-1"
-
-
-def atomic_write(path: Path, write: Any) -> None:
-    """Call write(tmp_path) on a temporary file beside `path`, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a checkpoint is an ordinary shared file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def check_writable(path: Path) -> None:
-    """Refuse, in one line, an output path whose folder cannot take a new file (read-only, or
-    a regular file where a folder should be), by creating and removing a temporary file."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as e:
-        raise LofastError(f"cannot write {path}: {e.strerror or e}") from None
-    if path.is_dir():
-        raise LofastError(f"{path} is a folder, not a file to write")
 
 
 def save_checkpoint(path: str | os.PathLike, model: LipschitzViT,

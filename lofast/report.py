@@ -214,7 +214,7 @@ def read_run(path: Path) -> list[SampleRecord]:
 
 def write_records(path: Path, records: Iterable[SampleRecord]) -> None:
     """Write records as one JSONL file, atomically (a temporary file renamed into place)."""
-    from lofast.checkpoint import atomic_write
+    from lofast.files import atomic_write
 
     lines = "".join(record.to_json() + "\n" for record in records)
     atomic_write(Path(path), lambda tmp: Path(tmp).write_text(lines, encoding="utf-8"))

@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lofast.checkpoint import atomic_write
 from lofast.config import TrainConfig
 from lofast.errors import LofastError, TimeLimitReached
+from lofast.files import atomic_write
 from lofast.models.vit import LipschitzViT
 from lofast.training_bound import TrainingBound
 

@@ -8,12 +8,10 @@ import time
 from pathlib import Path
 
 import click
-from rich.console import Console
 
+from lofast.cli.console import stderr as console
+from lofast.cli.console import stdout
 from lofast.config import BOUNDS, CERTIFY_DEFAULTS, GUARANTEES, KAPPAS
-
-console = Console(stderr=True, highlight=False)
-stdout = Console(highlight=False)
 
 
 class PositiveFloat(click.ParamType):

@@ -7,13 +7,11 @@ import json
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from lofast.cli.certify_cmd import PositiveFloat
-
-stdout = Console(highlight=False)
-console = Console(stderr=True, highlight=False)
+from lofast.cli.console import stderr as console
+from lofast.cli.console import stdout
 
 
 @click.command()

@@ -8,13 +8,11 @@ import sys
 import threading
 
 import click
-from rich.console import Console
 from rich.markup import escape
 
 from lofast import __version__
+from lofast.cli.console import stderr
 from lofast.errors import LofastError
-
-stderr = Console(stderr=True, highlight=False)
 
 
 class Terminated(KeyboardInterrupt):

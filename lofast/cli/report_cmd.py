@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import click
-from rich.console import Console
 
-stdout = Console(highlight=False)
+from lofast.cli.console import stderr, stdout
 
 
 @click.command()
@@ -44,4 +43,4 @@ def report(runs, plot_path, merge, as_json) -> None:
     else:
         stdout.print(summary_table(*summaries.values(), names=[Path(n).name for n in summaries]))
     if plot_path is not None:
-        Console(stderr=True, highlight=False).print(f"wrote {plot_path}")
+        stderr.print(f"wrote {plot_path}")

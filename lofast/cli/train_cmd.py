@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 import click
-from rich.console import Console
 
-console = Console(stderr=True, highlight=False)
+from lofast.cli.console import stderr as console
 
 # Exit code of a run stopped by --time-limit (EX_TEMPFAIL): not done, nothing wrong, resumable.
 EXIT_TIME_LIMIT = 75
@@ -112,7 +111,7 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from lofast.checkpoint import check_writable, file_digest, load_checkpoint, save_checkpoint
+    from lofast.checkpoint import file_digest, load_checkpoint, save_checkpoint
     from lofast.cli.progress import PlainProgress
     from lofast.config import TrainConfig
     from lofast.config import preset as make_preset
@@ -120,6 +119,7 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
     from lofast.data.sample import class_balanced_order
     from lofast.distributed import process_group, torchrun_rank
     from lofast.errors import LofastError, TimeLimitReached
+    from lofast.files import check_writable
     from lofast.models.vit import INIT_OPTIONS, create_model, with_options
     from lofast.train import resolve_device
     from lofast.train import train as run_training

@@ -14,13 +14,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from lofast.data.dataset import ImageDataset
+from lofast.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -79,23 +79,18 @@ def _load(path: Path, key: str) -> ImageDataset | None:
 
 
 def _save(path: Path, key: str, dataset: ImageDataset) -> None:
-    """Write the cache file atomically (temporary file, then rename); skip on any OS error."""
-    tmp: Path | None = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
-        tmp = Path(tmp_name)
-        with os.fdopen(fd, "wb") as out:
+    """Write the cache file atomically (``files.atomic_write``); skip on any OS error."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as out:
             np.savez(out, key=np.array(key), digest=np.array(dataset.digest()),
                      images=dataset.images, labels=dataset.labels,
                      classes=np.array(dataset.classes, dtype=str), name=np.array(dataset.name))
-        os.replace(tmp, path)
-        tmp = None
+
+    try:
+        atomic_write(path, write)
     except OSError as exc:
         log.info("not caching %s (%s)", path, exc)
-    finally:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
 
 
 def cached(

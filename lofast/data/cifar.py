@@ -13,7 +13,6 @@ import io
 import logging
 import os
 import pickle
-import tempfile
 import urllib.request
 from pathlib import Path, PurePosixPath
 
@@ -22,6 +21,7 @@ import numpy as np
 from lofast.data._util import ARCHIVE_ERRORS, open_tar_stream, reason
 from lofast.data.dataset import ImageDataset
 from lofast.errors import DataError
+from lofast.files import atomic_write
 
 try:  # numpy >= 2
     from numpy._core.multiarray import _reconstruct
@@ -205,28 +205,22 @@ def download_cifar10(
     url = url or os.environ.get("LOFAST_CIFAR10_URL") or CIFAR10_URL
     md5 = (md5 or os.environ.get("LOFAST_CIFAR10_MD5") or CIFAR10_MD5).lower()
     target = directory / CIFAR10_ARCHIVE
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{CIFAR10_ARCHIVE}.", suffix=".part",
-                                        dir=directory)
-    except OSError as exc:
-        raise DataError(f"{directory}: cannot create the download folder ({reason(exc)})") from exc
-    tmp = Path(tmp_name)
     log.info("downloading %s to %s", url, target)
-    try:
+
+    def download(tmp: str) -> None:  # raising leaves no file behind (files.atomic_write)
         digest = hashlib.md5(usedforsecurity=False)
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:
+        with open(tmp, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:
             while chunk := response.read(_DOWNLOAD_CHUNK):
                 digest.update(chunk)
                 out.write(chunk)
         if digest.hexdigest() != md5:
             raise DataError(f"{target}: checksum mismatch for {url} "
                             f"(md5 {digest.hexdigest()}, expected {md5})")
-        os.replace(tmp, target)
+
+    try:
+        atomic_write(target, download)
     except (OSError, ValueError, http.client.HTTPException) as exc:
-        # OSError covers URLError, HTTPError and timeouts; ValueError an unknown URL scheme;
-        # HTTPException a connection closed mid-body.
+        # OSError covers URLError, HTTPError, timeouts and an unwritable folder; ValueError an
+        # unknown URL scheme; HTTPException a connection closed mid-body.
         raise DataError(f"{target}: download from {url} failed ({reason(exc)})") from exc
-    finally:
-        tmp.unlink(missing_ok=True)  # gone already after a successful os.replace
     return target
