@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lofast.bounds.deflation import Deflation, deflate_gram, deflated_norm_bound
-from lofast.bounds.spectral import gamma, gram_with_error
+from lofast.bounds.verified import gamma, gram_with_error
 
 F64 = torch.float64
 
@@ -106,7 +106,7 @@ def test_a_poor_basis_is_sound():
     basis = torch.linalg.qr(torch.randn(40, 8, generator=g, dtype=F64)).Q
     gram, error = gram_with_error(T[None])
     negated = -gram[0] + 4.0 * (basis @ basis.T)
-    from lofast.bounds.spectral import verified_norm_from_negated_gram
+    from lofast.bounds.verified import verified_norm_from_negated_gram
     complement = verified_norm_from_negated_gram(
         negated[None], gram_error=error + 4.0 * gamma(8) * 8 + 1e-12, lower_only=True)[0]
     poor = Deflation(basis=basis, orthogonality=1e-13, complement=complement,

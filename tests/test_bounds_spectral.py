@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from lofast.bounds import spectral
+from lofast.bounds import spectral, verified
+from lofast.bounds.krylov import BREAKDOWN_TOL
 from lofast.bounds.spectral import (
-    BREAKDOWN_TOL,
     ROUNDING_MARGIN,
     Guarantee,
     SpectralMethod,
@@ -240,10 +240,10 @@ def degenerate_matrices():
 def test_verified_gram_norm_on_degenerate_batches(name):
     M = degenerate_matrices()[name]
     exact = exact_norm(M)
-    gram, error = spectral.gram_with_error(M)
+    gram, error = verified.gram_with_error(M)
     assert torch.equal(gram, gram.mT)
     for symmetric in (True, False):
-        bound = spectral.verified_gram_norm(gram, gram_error=error, symmetric=symmetric)
+        bound = verified.verified_gram_norm(gram, gram_error=error, symmetric=symmetric)
         assert (bound >= exact).all(), (bound, exact)
         assert (bound <= exact * (1 + 2 * SLACK)).all(), (bound / exact)
     if name == "plain":
@@ -256,12 +256,12 @@ def test_verified_gram_norm_on_degenerate_batches(name):
 def test_verified_gram_norm_reads_only_the_lower_triangle():
     g = torch.Generator().manual_seed(11)
     A = torch.randn(4, 90, 80, generator=g, dtype=torch.float64)
-    gram, error = spectral.gram_with_error(A)
+    gram, error = verified.gram_with_error(A)
     exact = exact_norm(A)
     garbage = gram.clone()
     upper = torch.triu(torch.ones(80, 80, dtype=torch.bool), diagonal=1)
     garbage[:, upper] = float("nan")
-    bound = spectral.verified_gram_norm(garbage, gram_error=error)  # symmetrised from below
+    bound = verified.verified_gram_norm(garbage, gram_error=error)  # symmetrised from below
     assert (bound >= exact).all() and (bound <= exact * (1 + 2 * SLACK)).all()
     # the assumption behind verified_norm_from_negated_gram: cholesky_ex and eigvalsh read
     # only the lower triangle (NaN above the diagonal changes nothing), in C and Fortran order
@@ -278,22 +278,22 @@ def test_verified_gram_norm_reads_only_the_lower_triangle():
 def test_verified_retries_a_too_low_estimate(factor):
     M = degenerate_matrices()["plain"][1:]
     exact = exact_norm(M)
-    gram, error = spectral.gram_with_error(M)
-    bound = spectral.verified_gram_norm(gram, gram_error=error, estimate=factor * exact.square())
+    gram, error = verified.gram_with_error(M)
+    bound = verified.verified_gram_norm(gram, gram_error=error, estimate=factor * exact.square())
     assert (bound >= exact).all() and (bound <= exact * (1 + 2 * SLACK)).all()
 
 
 def test_verified_doubling_when_every_estimate_is_wrong(monkeypatch):
     # the estimate and the exact-eigenvalue retry both too low: c is doubled until the
     # Cholesky proof succeeds, and the value stays an upper bound
-    monkeypatch.setattr(spectral, "_top_eigenvalue", lambda S: torch.zeros(S.shape[0]).to(S))
+    monkeypatch.setattr(verified, "_top_eigenvalue", lambda S: torch.zeros(S.shape[0]).to(S))
     calls = []
-    passes = spectral._cholesky_passes
-    monkeypatch.setattr(spectral, "_cholesky_passes", lambda A: calls.append(1) or passes(A))
+    passes = verified._cholesky_passes
+    monkeypatch.setattr(verified, "_cholesky_passes", lambda A: calls.append(1) or passes(A))
     M = degenerate_matrices()["plain"][1:]
     exact = exact_norm(M)
-    gram, error = spectral.gram_with_error(M)
-    bound = spectral.verified_gram_norm(gram, gram_error=error, estimate=1e-3 * exact.square())
+    gram, error = verified.gram_with_error(M)
+    bound = verified.verified_gram_norm(gram, gram_error=error, estimate=1e-3 * exact.square())
     assert len(calls) > 3
     assert (bound >= exact).all() and (bound <= 2 * exact).all()
 
@@ -303,22 +303,22 @@ def test_verified_margins_are_tiny_but_present():
     # margins, which are far below the slack
     M = degenerate_matrices()["plain"][1:]
     exact = exact_norm(M)
-    gram, error = spectral.gram_with_error(M)
-    bound = spectral.verified_gram_norm(gram, gram_error=error, estimate=exact.square(),
+    gram, error = verified.gram_with_error(M)
+    bound = verified.verified_gram_norm(gram, gram_error=error, estimate=exact.square(),
                                         relative_slack=1e-6)
     assert (bound >= exact * (1 + 1e-6)).all() and (bound <= exact * (1 + 1e-6 + 1e-9)).all()
 
 
 def test_verified_rejects_bad_input():
     with pytest.raises(ValueError):
-        spectral.verified_gram_norm(torch.ones(3, 4, 5, dtype=torch.float64))
+        verified.verified_gram_norm(torch.ones(3, 4, 5, dtype=torch.float64))
     with pytest.raises(ValueError):
-        spectral.verified_gram_norm(torch.eye(3, dtype=torch.float64)[None],
+        verified.verified_gram_norm(torch.eye(3, dtype=torch.float64)[None],
                                     gram_error=torch.tensor([-1.0]))
     bad = torch.eye(3, dtype=torch.float64)[None].clone()
     bad[0, 2, 1] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
-        spectral.verified_gram_norm(bad)
+        verified.verified_gram_norm(bad)
     with pytest.raises(ValueError):
         SpectralMethod(kind="verified", estimate_steps=0)
     line = SpectralMethod(kind="verified").describe()
@@ -330,7 +330,7 @@ def test_gram_with_error_bounds_the_rounding():
     g = torch.Generator().manual_seed(12)
     M = torch.randn(3, 200, 40, generator=g, dtype=torch.float64) * torch.logspace(0, 3, 40).to(
         torch.float64)
-    gram, error = spectral.gram_with_error(M)
+    gram, error = verified.gram_with_error(M)
     reference = np.einsum("bki,bkj->bij", M.numpy().astype(np.longdouble),
                           M.numpy().astype(np.longdouble))
     deviation = np.abs(gram.numpy().astype(np.longdouble) - reference)

@@ -34,17 +34,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lofast.bounds.spectral import (
-    ROUNDING_MARGIN,
-    SUBNORMAL,
-    UNIT_ROUNDOFF,
-    LinearMap,
-    fixed_unit_vector,
-    gamma,
-    lanczos_ritz,
-    lanczos_ritz_vectors,
-    verified_norm_from_negated_gram,
-)
+from lofast.bounds.krylov import LinearMap, fixed_unit_vector, lanczos_ritz, lanczos_ritz_vectors
+from lofast.bounds.spectral import ROUNDING_MARGIN
+from lofast.bounds.verified import SUBNORMAL, UNIT_ROUNDOFF, gamma, verified_norm_from_negated_gram
 
 # Candidate subspace sizes k, smallest first: the smallest after whose Ritz value the reference
 # spectrum has fallen by DEFLATION_GAP (relative, in singular values) is taken, else the largest.

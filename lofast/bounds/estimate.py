@@ -29,8 +29,9 @@ from lofast.bounds.attention import (
     AttentionSpec,
 )
 from lofast.bounds.first_order import first_order_maps
+from lofast.bounds.krylov import LinearMap, power_iterate
 from lofast.bounds.softmax_terms import probabilities_from_projections, softmax_first_order_maps
-from lofast.bounds.spectral import Guarantee, LinearMap, power_iterate
+from lofast.bounds.spectral import Guarantee
 
 # Floor under squared norms before the square root (whose gradient is unbounded at 0) and under
 # the norms that vectors are divided by (a zero vector stays zero, not NaN).

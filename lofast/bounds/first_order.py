@@ -18,18 +18,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lofast.bounds.krylov import LinearMap, fixed_unit_vector, lanczos_ritz, lanczos_ritz_pair
 from lofast.bounds.spectral import (
-    LinearMap,
     SpectralMethod,
-    fixed_unit_vector,
-    gamma,
-    lanczos_ritz,
-    lanczos_ritz_pair,
     matrix_norm_upper,
     operator_norm,
-    verified_norm_from_negated_gram,
     working_elements,
 )
+from lofast.bounds.verified import gamma, verified_norm_from_negated_gram
 
 # Working memory (float64 elements) for one chunk of samples in a matrix-free norm computation.
 # On a CPU the Lanczos basis of a chunk should stay in the last-level cache (2^21 = 16 MiB): the

@@ -50,7 +50,8 @@ import torch
 from torch import Tensor
 
 from lofast.bounds.deflation import Deflation, deflated_norm_bound
-from lofast.bounds.spectral import gamma, matrix_norm_upper
+from lofast.bounds.spectral import matrix_norm_upper
+from lofast.bounds.verified import gamma
 
 
 def head_deviation_bound(deviation: Tensor, value_weight_norm: Tensor,

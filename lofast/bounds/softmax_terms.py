@@ -11,7 +11,9 @@ import torch
 from torch import Tensor
 
 from lofast.bounds.first_order import sample_chunks
-from lofast.bounds.spectral import LinearMap, SpectralMethod, gamma, operator_norm, working_elements
+from lofast.bounds.krylov import LinearMap
+from lofast.bounds.spectral import SpectralMethod, operator_norm, working_elements
+from lofast.bounds.verified import gamma
 
 
 def softmax_first_order_norm(probs: Tensor, x_query: Tensor, x_key: Tensor, x_value_out: Tensor,

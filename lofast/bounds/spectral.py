@@ -7,7 +7,7 @@ certificate. This module offers four methods and says which guarantee each carri
   inflate it by ``ROUNDING_MARGIN``, which covers the rounding errors of the computation.
 - ``verified`` (EXACT): materialise the operator's Gram matrix, estimate its top
   eigenvalue cheaply and prove ``c I - Gram`` positive definite with a float64 Cholesky
-  factorisation, accounting for every rounding error (``verified_gram_norm``); about 8x cheaper
+  factorisation, accounting for every rounding error (``verified.verified_gram_norm``); about 8x cheaper
   than an eigensolver for a 640 x 640 Gram matrix, and at most ``1 + relative_slack`` times the
   exact norm whenever the estimate is good (it is refined until the proof succeeds).
 - ``lanczos`` (PROBABILISTIC): randomized Lanczos with full reorthogonalisation; the Ritz value is
@@ -23,11 +23,18 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from lofast.bounds.krylov import BREAKDOWN_TOL, LinearMap, lanczos_ritz, power_iterate
+from lofast.bounds.verified import (
+    SUBNORMAL,
+    gram_with_error,
+    power_of_two_above,
+    verified_gram_norm,
+)
 
 # Relative inflation of every computed norm (dense and Lanczos). Why 1e-8 (about 9e7 u, with
 # u = 1.1e-16 the unit roundoff of float64) covers the rounding: LAPACK's symmetric eigensolver and SVD are backward stable, the computed
@@ -46,11 +53,6 @@ ROUNDING_MARGIN = 1e-8
 # Largest k m for which an m x k matrix's norm is taken from its Gram matrix (see above).
 GRAM_LIMIT = 2e7
 
-# Lanczos breakdown: beta_j <= BREAKDOWN_TOL * max_i ||A q_i|| means span(q_0..q_j) is invariant
-# up to a perturbation E of A with ||E|| <= beta_j <= BREAKDOWN_TOL * lambda_max(A); this factor
-# is added to the bound. It sits a few decades above the rounding noise of a reorthogonalised
-# residual (about m u) so that true breakdowns are caught, and far below ROUNDING_MARGIN.
-BREAKDOWN_TOL = 1e-12
 
 # The constant of the Kuczynski-Wozniakowski (1992) bound for the Lanczos algorithm.
 KW_CONSTANT = 1.648
@@ -58,26 +60,6 @@ KW_CONSTANT = 1.648
 # Working memory (float64 elements) for one block of basis vectors when materialising a dense
 # operator: 2^24 elements = 128 MiB.
 DENSE_BLOCK_ELEMENTS = 1 << 24
-
-LinearMap = Callable[[Tensor], Tensor]
-
-# float64 unit roundoff u and the smallest positive subnormal (the absolute error of one
-# multiplication or division under gradual underflow is at most half of it).
-UNIT_ROUNDOFF = 2.0 ** -53
-SUBNORMAL = 2.0 ** -1074
-
-# verified_gram_norm leaves a Gram matrix unscaled while its largest diagonal entry lies in
-# [2^-RANGE_EXPONENT, 2^RANGE_EXPONENT] (no overflow or harmful underflow can occur there) and
-# rescales it by an exact power of two otherwise.
-RANGE_EXPONENT = 400
-
-# Explicit Gram matrices up to this size get their top-eigenvalue estimate from a dense
-# eigensolver; larger ones from Lanczos (``SpectralMethod.estimate_steps``).
-SMALL_GRAM = 64
-
-# verified_gram_norm raises c by doubling at most this many times after the exact-eigenvalue
-# retry (it never needs to for a PSD input; the limit only stops a runaway on garbage input).
-MAX_DOUBLINGS = 64
 
 
 class Guarantee(str, enum.Enum):
@@ -208,7 +190,7 @@ def matrix_norm_upper(M: Tensor) -> Tensor:
     rows, cols = M.shape[-2:]
     if rows == 0 or cols == 0:
         return M.new_zeros(M.shape[:-2])
-    unit = _power_of_two_above(M.abs().amax(dim=(-2, -1)))  # exact rescaling: no underflow
+    unit = power_of_two_above(M.abs().amax(dim=(-2, -1)))  # exact rescaling: no underflow
     M = M / unit[..., None, None]
     if rows * cols <= GRAM_LIMIT:
         gram = M @ M.mT if rows <= cols else M.mT @ M
@@ -216,220 +198,6 @@ def matrix_norm_upper(M: Tensor) -> Tensor:
     else:
         sigma = torch.linalg.svdvals(M)[..., 0]
     return unit * sigma * (1.0 + ROUNDING_MARGIN)
-
-
-def gamma(k: int) -> float:
-    """Higham's gamma_k = k u / (1 - k u): |theta| <= gamma_k for any product of k factors
-    (1 + delta_i)^(+-1) with |delta_i| <= u."""
-    if k * UNIT_ROUNDOFF >= 0.5:
-        raise ValueError(f"dimension {k} too large for the rounding analysis")
-    return k * UNIT_ROUNDOFF / (1.0 - k * UNIT_ROUNDOFF)
-
-
-def gram_with_error(matrix: Tensor) -> tuple[Tensor, Tensor]:
-    """The smaller Gram matrix of explicit matrices (B, m, k) and a bound on its rounding error.
-
-    Returns (gram, error): gram is M^T M (k <= m) or M M^T (k > m), float64 and exactly
-    symmetric (its lower triangle mirrored); error (B,) bounds ||gram - exact Gram||_2. Each
-    entry is one float64 inner product of length m' = max(m, k), so |fl - exact| <=
-    gamma_m' |M|^T |M| entrywise (Higham, Accuracy and Stability, eq. 3.5), plus at most
-    m' SUBNORMAL from underflowing products; ||(|M|^T |M|)||_2 <= ||M||_F^2.
-    """
-    M = matrix.to(torch.float64)
-    if M.dim() != 3:
-        raise ValueError(f"expected matrices (B, m, k), got shape {tuple(M.shape)}")
-    rows, cols = M.shape[-2:]
-    tall = cols <= rows
-    inner, small = (rows, cols) if tall else (cols, rows)
-    gram = M.mT @ M if tall else M @ M.mT
-    gram = torch.tril(gram) + torch.tril(gram, -1).mT
-    unit = _power_of_two_above(M.abs().amax(dim=(-2, -1)) if M.numel() else M.new_zeros(M.shape[0]))
-    scaled = (M / unit[:, None, None]).square().sum(dim=(-2, -1))  # ||M||_F^2 / unit^2, ~exact
-    frobenius = (scaled * (1.0 + 2.0 * gamma(rows * cols + 2))
-                 + torch.where(scaled > 0, rows * cols * 2.0 ** -1000, 0.0)) * unit.square()
-    # an underflowing product needs two nonzero factors: none for a zero matrix
-    underflow = torch.where(scaled > 0, small * inner * SUBNORMAL, 0.0)
-    error = gamma(inner) * frobenius + underflow
-    return gram, error * (1.0 + 2.0 ** -40)
-
-
-def verified_gram_norm(gram: Tensor, *, relative_slack: float = 1e-3,
-                       gram_error: Tensor | None = None, estimate: Tensor | None = None,
-                       steps: int = 10, symmetric: bool = False,
-                       overwrite: bool = False) -> Tensor:
-    """Deterministic upper bounds on sqrt(lambda_max) of PSD matrices given explicitly.
-
-    gram: (B, N, N). The matrix used is S, the symmetric matrix of gram's lower triangle
-    (``symmetric=True`` asserts gram is exactly symmetric, S = gram, and saves a copy). If the
-    matrix of interest G_b is only known up to rounding, ``gram_error`` (B,) must bound
-    ||S_b - G_b||_2; the result then bounds sqrt(lambda_max(G_b)) (= ||L_b|| for G_b = L_b^T L_b).
-    estimate: optional (B,) estimates of lambda_max(G_b) (only speed and tightness depend on
-    them); by default the top eigenvalue of S is estimated by ``steps`` Lanczos steps
-    (a dense eigensolver up to N = SMALL_GRAM). overwrite: gram may be used as workspace.
-    Returns (B,) float64 on gram's device.
-
-    Method. With mu the estimate (raised to max_i S_ii, which is <= lambda_max), try
-    c = mu (1 + relative_slack)^2 and factor A = fl(c I - S) by float64 Cholesky. Samples whose
-    factorisation fails are retried with c from a dense eigensolver, then by doubling c; no
-    value is returned unverified. For the c that succeeds the result is
-    sqrt(c + 2 u max_i A_ii + alpha tr(A) + underflow terms + gram_error), inflated by 2^-40
-    relative to cover the rounding of this short sum and of the square root.
-
-    Theorem used (Demmel 1989, Higham 2002 Thm 10.3; as applied by Rump, "Verification of
-    positive definiteness", BIT 46 (2006)): if floating-point Cholesky runs to completion on a
-    symmetric A (every pivot positive; the analysis does not need A to be positive definite),
-    the computed factor R satisfies R^T R = A + dA with |dA| <= gamma_{N+1} |R^T| |R|. As
-    ||r_j||^2 = a_jj + da_jj <= a_jj + gamma_{N+1} ||r_j||^2, Cauchy-Schwarz gives
-    |dA_ij| <= alpha sqrt(a_ii a_jj) with alpha = gamma_{N+1} / (1 - gamma_{N+1}), hence
-    ||dA||_2 <= alpha tr(A) and lambda_min(A) >= -alpha tr(A). We use gamma_{2(N+2)} in place of
-    gamma_{N+1}, covering implementations that divide through reciprocals (LAPACK's dpotf2,
-    blocked trsm kernels) with room to spare. Gradual underflow adds at most SUBNORMAL per
-    multiplication or division: <= 2 N (N + 2 + max a_ii) SUBNORMAL to ||dA||_2 (r_ii <= 1 + a_ii).
-    Since A = c I - S + D with D diagonal, |D_ii| <= 2 u a_ii (the rounding of c - S_ii; the
-    off-diagonal entries are exact negations), lambda_max(S) <= c + ||D|| + ||dA||, and
-    lambda_max(G) <= lambda_max(S) + gram_error (Weyl). Exact rescaling by a power of two (only
-    outside [2^-RANGE_EXPONENT, 2^RANGE_EXPONENT]) adds at most N SUBNORMAL in the scaled units.
-    """
-    if gram.dim() != 3 or gram.shape[-1] != gram.shape[-2]:
-        raise ValueError(f"expected square matrices (B, N, N), got shape {tuple(gram.shape)}")
-    G = gram.to(torch.float64)
-    owned = overwrite or G is not gram
-    if symmetric:
-        negated = G.neg_() if owned else -G
-    else:
-        lower = torch.tril(G, -1)
-        negated = (lower + lower.mT).neg_()
-        negated.diagonal(dim1=-2, dim2=-1).copy_(-G.diagonal(dim1=-2, dim2=-1))
-    if negated.stride(-1) != 1:
-        negated = negated.contiguous()
-    # negated is exactly symmetric: its transpose is the same matrix, in the Fortran order
-    # that spares cholesky_ex a transposing copy
-    return verified_norm_from_negated_gram(negated.mT, relative_slack=relative_slack,
-                                           gram_error=gram_error, estimate=estimate, steps=steps)
-
-
-def verified_norm_from_negated_gram(negated: Tensor, *, relative_slack: float = 1e-3,
-                                    gram_error: Tensor | None = None,
-                                    estimate: Tensor | None = None, steps: int = 10,
-                                    lower_only: bool = False) -> Tensor:
-    """``verified_gram_norm`` of S = -negated for a float64 (B, N, N) ``negated``, which is used
-    as workspace (its contents are destroyed); saves the negation pass when the caller can
-    assemble -S directly. Fortran order (a transposed contiguous tensor) is fastest.
-
-    The proof reads only the lower triangle (with the diagonal): S is the symmetric matrix of
-    -negated's lower triangle. torch.linalg.cholesky_ex copies only tril(A) into its factor on
-    a CPU (ATen's linalg_cholesky_ex_out) and calls LAPACK-style routines with uplo = 'L',
-    which reference only the lower triangle, elsewhere; eigvalsh reads UPLO = 'L'. With
-    ``lower_only`` the strict upper triangle may be unset: it is then mirrored from the lower
-    one (on accelerators, as a precaution, and before an explicit Lanczos estimate); without
-    it, negated must be exactly symmetric for the Lanczos estimate to be accurate (soundness
-    never depends on the estimate)."""
-    if negated.dim() != 3 or negated.shape[-1] != negated.shape[-2]:
-        raise ValueError(f"expected square matrices (B, N, N), got shape {tuple(negated.shape)}")
-    if negated.dtype != torch.float64:
-        raise ValueError("the negated gram matrix must be float64")
-    if not 1e-6 <= relative_slack <= 1.0:
-        raise ValueError("relative_slack must lie in [1e-6, 1]")
-    batch, size = negated.shape[0], negated.shape[-1]
-    device = negated.device
-    error = (torch.zeros(batch, dtype=torch.float64, device=device) if gram_error is None
-             else gram_error.to(device=device, dtype=torch.float64).reshape(batch))
-    if not bool(((error >= 0) & ~torch.isnan(error)).all()):
-        raise ValueError("gram_error must be nonnegative")
-    if batch == 0 or size == 0:
-        return error.sqrt()
-    A = negated  # = -S; its diagonal is replaced by fl(c - S_ii) for each trial c
-    if lower_only and (device.type != "cpu" or (estimate is None and size > SMALL_GRAM)):
-        A = torch.tril(A) + torch.tril(A, -1).mT
-    diagonal = -A.diagonal(dim1=-2, dim2=-1)  # S_ii (B, N), a new tensor
-    peak = diagonal.abs().amax(dim=1)
-    in_range = (peak == 0) | ((peak >= 2.0 ** -RANGE_EXPONENT) & (peak <= 2.0 ** RANGE_EXPONENT))
-    unit = torch.where(in_range, 1.0, _power_of_two_above(peak))
-    if not bool(in_range.all()):
-        A.div_(unit[:, None, None])
-        diagonal = diagonal / unit[:, None]
-    zero = (diagonal == 0).all(dim=1)
-    if bool(zero.any()):  # a zero diagonal: S = 0 if S is PSD; check the whole matrix
-        zero[zero.clone()] = (torch.tril(A[zero]) == 0).flatten(1).all(dim=1)
-    top = diagonal.amax(dim=1)  # max_i S_ii <= lambda_max(S)
-    if estimate is not None:
-        mu = estimate.to(device=device, dtype=torch.float64).reshape(batch) / unit
-    elif size <= SMALL_GRAM:
-        mu = _top_eigenvalue(-A)
-    else:
-        start = fixed_unit_vector(size, device).expand(batch, size)
-        mu = lanczos_ritz(lambda q: -(A @ q[..., None])[..., 0], start, min(steps, size))
-    grow = (1.0 + relative_slack) ** 2
-    c = torch.nan_to_num(torch.maximum(mu, top) * grow, nan=0.0, posinf=0.0).clamp_min(TINY)
-    bound = torch.zeros(batch, dtype=torch.float64, device=device)  # lambda_max(S) / unit
-    todo = ~zero
-    # first trial: all samples at once, writing c into A's diagonal in place
-    A.diagonal(dim1=-2, dim2=-1).add_(c[:, None])
-    passed = _cholesky_passes(A) & todo
-    bound = torch.where(passed, _verified_bound(c, A.diagonal(dim1=-2, dim2=-1), size), bound)
-    todo = todo & ~passed
-    for attempt in range(MAX_DOUBLINGS + 1):
-        if not bool(todo.any()):
-            break
-        rows = todo.nonzero()[:, 0]
-        trial = A[rows]  # (failing samples) a copy
-        if attempt == 0:  # the exact top eigenvalue of S
-            if not bool(torch.isfinite(torch.tril(trial)).all()):
-                raise ValueError("gram matrix contains NaN or infinity")
-            trial.diagonal(dim1=-2, dim2=-1).copy_(-diagonal[rows])
-            exact = _top_eigenvalue(trial.neg())
-            c_rows = torch.maximum(c[rows], torch.maximum(exact, top[rows])) * grow
-            c_rows = torch.nan_to_num(c_rows, nan=TINY, posinf=TINY).clamp_min(TINY)
-        else:
-            c_rows = c[rows] * 2.0
-        c[rows] = c_rows
-        trial.diagonal(dim1=-2, dim2=-1).copy_(c_rows[:, None] - diagonal[rows])
-        ok = _cholesky_passes(trial)
-        bound[rows] = torch.where(ok, _verified_bound(c_rows, trial.diagonal(dim1=-2, dim2=-1),
-                                                      size), bound[rows])
-        todo[rows] = ~ok
-    if bool(todo.any()):
-        raise ValueError("could not verify an upper bound on lambda_max: the gram matrix is "
-                         "far from symmetric positive semidefinite or badly scaled")
-    lam = bound * unit + error
-    return (lam * (1.0 + 2.0 ** -40)).sqrt() * (1.0 + 2.0 ** -40)
-
-
-# Smallest trial c (scaled units): only matters for matrices whose estimate and diagonal are
-# <= 0, i.e. zero or not positive semidefinite.
-TINY = 2.0 ** -900
-
-
-def _top_eigenvalue(S: Tensor) -> Tensor:
-    """Largest eigenvalue (B,) of the symmetric matrices of S's lower triangles (an estimate:
-    LAPACK's, accurate to a few N u ||S||)."""
-    return torch.linalg.eigvalsh(S, UPLO="L")[:, -1]
-
-
-def _cholesky_passes(A: Tensor) -> Tensor:
-    """(B,) bool: float64 Cholesky of the symmetric matrix of A's lower triangle (B, N, N) ran
-    to completion (cholesky_ex reads the lower triangle only, see
-    ``verified_norm_from_negated_gram``)."""
-    return torch.linalg.cholesky_ex(A).info == 0
-
-
-def _verified_bound(c: Tensor, factored_diagonal: Tensor, size: int) -> Tensor:
-    """c + ||D|| + ||dA|| bound on lambda_max(S) after fl(c I - S) passed Cholesky; see
-    ``verified_gram_norm``. factored_diagonal: (B, N) the diagonal A_ii that was factored."""
-    alpha = gamma(2 * (size + 2))
-    alpha = alpha / (1.0 - alpha)
-    positive = factored_diagonal.clamp_min(0.0)  # > 0 wherever Cholesky passed
-    trace = positive.sum(dim=1) * (1.0 + 2.0 * gamma(size))
-    largest = positive.amax(dim=1)
-    underflow = (2.0 * size * (size + 2.0 + largest) + size) * SUBNORMAL
-    return (c + 2.0 * UNIT_ROUNDOFF * largest + alpha * trace + underflow) * (1.0 + 2.0 ** -40)
-
-
-def fixed_unit_vector(size: int, device: torch.device) -> Tensor:
-    """A fixed pseudo-random unit vector (size,) (seed 0, drawn on the CPU): the same start for
-    every sample, so that a sample's bound does not depend on its batch."""
-    x = torch.randn(size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    return (x / torch.linalg.vector_norm(x)).to(device)
 
 
 def operator_norm(apply: LinearMap, adjoint: LinearMap, in_shape: tuple[int, ...], batch: int,
@@ -463,7 +231,7 @@ def operator_norm(apply: LinearMap, adjoint: LinearMap, in_shape: tuple[int, ...
             return matrix_norm_upper(matrix)
         # exact rescaling by a power of two (an entry that underflows moves by at most
         # SUBNORMAL / 2, the matrix by at most sqrt(m k) SUBNORMAL / 2 in norm)
-        unit = _power_of_two_above(matrix.abs().amax(dim=(-2, -1)))
+        unit = power_of_two_above(matrix.abs().amax(dim=(-2, -1)))
         gram, error = gram_with_error(matrix / unit[:, None, None])
         norm = verified_gram_norm(gram, relative_slack=method.relative_slack, gram_error=error,
                                   steps=method.estimate_steps, symmetric=True, overwrite=True)
@@ -501,71 +269,6 @@ def lanczos_norm(apply: LinearMap, adjoint: LinearMap, start: Tensor, in_shape: 
     return unit * ritz.sqrt() * (inflation * (1.0 + ROUNDING_MARGIN))
 
 
-def lanczos_ritz(gram: LinearMap, start: Tensor, m: int) -> Tensor:
-    """Largest Ritz value (clamped at 0) of m Lanczos steps on the symmetric PSD maps ``gram``
-    ((B, N) -> (B, N)) from the unit vectors ``start`` (B, N), with full reorthogonalisation
-    (CGS2) and breakdown handling; at most lambda_max in exact arithmetic. Returns (B,)."""
-    tridiagonal, _ = _lanczos(gram, start, m)
-    return torch.linalg.eigvalsh(tridiagonal)[:, -1].clamp_min(0.0)
-
-
-def lanczos_ritz_pair(gram: LinearMap, start: Tensor, m: int) -> tuple[Tensor, Tensor]:
-    """``lanczos_ritz`` and its Ritz vectors (B, N), unit (an estimate of the top eigenvector,
-    for starting later iterations)."""
-    tridiagonal, basis = _lanczos(gram, start, m)
-    values, vectors = torch.linalg.eigh(tridiagonal)
-    ritz = (vectors[:, None, :, -1] @ basis)[:, 0]  # (B, N)
-    ritz = ritz / torch.linalg.vector_norm(ritz, dim=1, keepdim=True).clamp_min(1e-300)
-    return values[:, -1].clamp_min(0.0), ritz
-
-
-def lanczos_ritz_vectors(gram: LinearMap, start: Tensor, m: int,
-                         count: int) -> tuple[Tensor, Tensor]:
-    """The ``count`` largest Ritz values (B, count), in descending order, and their unit Ritz
-    vectors (B, count, N) after m Lanczos steps (see ``lanczos_ritz``): estimates of the top
-    eigenpairs (count <= m), for deflation. No guarantee attaches to them."""
-    tridiagonal, basis = _lanczos(gram, start, m)
-    values, vectors = torch.linalg.eigh(tridiagonal)
-    top = vectors[..., -count:].flip(-1)  # (B, m, count)
-    ritz = top.mT @ basis  # (B, count, N)
-    ritz = ritz / torch.linalg.vector_norm(ritz, dim=-1, keepdim=True).clamp_min(1e-300)
-    return values[..., -count:].flip(-1), ritz
-
-
-def _lanczos(gram: LinearMap, start: Tensor, m: int) -> tuple[Tensor, Tensor]:
-    """m Lanczos steps (see ``lanczos_ritz``): the tridiagonal matrices (B, m, m) and the bases
-    (B, m, N)."""
-    batch, dim = start.shape
-    basis = start.new_zeros(batch, m, dim)
-    alpha = start.new_zeros(batch, m)
-    beta = start.new_zeros(batch, m)
-    scale = start.new_zeros(batch)  # running max ||A q_i|| <= lambda_max(A)
-    broken = torch.zeros(batch, dtype=torch.bool, device=start.device)
-    q = start
-    for j in range(m):
-        basis[:, j] = q
-        w = gram(q)
-        alpha[:, j] = (q * w).sum(dim=1)
-        scale = torch.maximum(scale, torch.linalg.vector_norm(w, dim=1))
-        if j == m - 1:
-            break
-        previous = basis[:, : j + 1]
-        for _ in range(2):  # CGS2: removes alpha_j q_j, beta_{j-1} q_{j-1} and rounding drift
-            # row-vector products (1 x N)(N x j+1) and (1 x j+1)(j+1 x N): the fastest layout
-            coefficients = torch.bmm(w[:, None, :], previous.mT)  # (B, 1, j + 1)
-            w = w - torch.bmm(coefficients, previous)[:, 0]
-        norm = torch.linalg.vector_norm(w, dim=1)
-        # Breakdown: span(q_0..q_j) is an exact invariant subspace of A + E, ||E|| <= beta_j (the
-        # recursion so far is that of A + E). Zero the sample's recursion: its later vectors are
-        # 0, adding zero rows and columns to T, which keep its top eigenvalue (T is PSD).
-        broken = broken | (norm <= BREAKDOWN_TOL * scale)
-        beta[:, j] = torch.where(broken, 0.0, norm)
-        q = torch.where(broken[:, None], 0.0, w / torch.where(broken, 1.0, norm)[:, None])
-    tridiagonal = (torch.diag_embed(alpha) + torch.diag_embed(beta[:, :-1], offset=1)
-                   + torch.diag_embed(beta[:, :-1], offset=-1))
-    return tridiagonal, basis
-
-
 def power_norm(apply: LinearMap, adjoint: LinearMap, start: Tensor, in_shape: tuple[int, ...],
                iterations: int) -> Tensor:
     """Estimate ||L_b|| by power iteration on L^T L: returns ||L x|| for the final unit x, which
@@ -574,17 +277,6 @@ def power_norm(apply: LinearMap, adjoint: LinearMap, start: Tensor, in_shape: tu
     x = power_iterate(gram, start, iterations)
     image = apply(x.reshape(x.shape[0], *in_shape)).reshape(x.shape[0], -1)
     return torch.linalg.vector_norm(image / unit[:, None], dim=1) * unit
-
-
-def power_iterate(gram: LinearMap, start: Tensor, iterations: int) -> Tensor:
-    """Power iteration on symmetric PSD maps ``gram`` ((B, N) -> (B, N)) from unit vectors
-    ``start`` (B, N); returns the final unit vectors (a vector is kept where gram maps it to 0)."""
-    x = start
-    for _ in range(iterations):
-        y = gram(x)
-        norm = torch.linalg.vector_norm(y, dim=1, keepdim=True)
-        x = torch.where(norm > 0, y / torch.where(norm > 0, norm, 1.0), x)
-    return x
 
 
 def _normalised_gram(apply: LinearMap, adjoint: LinearMap, start: Tensor,
@@ -598,7 +290,7 @@ def _normalised_gram(apply: LinearMap, adjoint: LinearMap, start: Tensor,
     """
     batch = start.shape[0]
     image = apply(start.reshape(batch, *in_shape))
-    unit = _power_of_two_above(image.reshape(batch, -1).abs().amax(dim=1))
+    unit = power_of_two_above(image.reshape(batch, -1).abs().amax(dim=1))
     out_unit = unit.reshape(batch, *(1,) * (image.dim() - 1))
 
     def gram(q: Tensor) -> Tensor:
@@ -606,13 +298,6 @@ def _normalised_gram(apply: LinearMap, adjoint: LinearMap, start: Tensor,
         return adjoint(y).reshape(batch, -1) / unit[:, None]
 
     return gram, unit
-
-
-def _power_of_two_above(x: Tensor) -> Tensor:
-    """2^e with x < 2^e <= 2x for positive finite x (elementwise), 1 elsewhere."""
-    mantissa, exponent = torch.frexp(x)  # x = mantissa 2^exponent, mantissa in [0.5, 1)
-    ok = (mantissa > 0) & torch.isfinite(x)
-    return torch.where(ok, torch.ldexp(torch.ones_like(x), exponent), torch.ones_like(x))
 
 
 def _random_unit(batch: int, dim: int, device: torch.device,

@@ -24,7 +24,8 @@ from torch import Tensor
 
 from lofast.bounds.attention import AttentionSpec
 from lofast.bounds.compose import LipschitzStep, ProjectionStep, RadiusMap
-from lofast.bounds.spectral import gamma, gram_with_error, matrix_norm_upper, verified_gram_norm
+from lofast.bounds.spectral import matrix_norm_upper
+from lofast.bounds.verified import gamma, gram_with_error, verified_gram_norm
 from lofast.errors import CertificationError
 
 
