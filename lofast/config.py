@@ -84,6 +84,12 @@ class ModelConfig:
     # "learned" Wq, Wk, or "identity": Wq = Wk = I, each head's scores the dot products of the
     # tokens' coordinates it owns (no learned direction can make the scores constant)
     query_key: str = "learned"
+    # Fix every head's ||Wv_l Wo_l|| at this value (None: only capped, which lets training switch
+    # attention off by shrinking what it mixes in).
+    value_norm: float | None = None
+    # score_norm, value_norm and query_key apply to the last `live_blocks` blocks only (None:
+    # all); the others keep learned, capped weights.
+    live_blocks: int | None = None
 
     def __post_init__(self) -> None:
         # Every value here reaches the forward pass, and the radii reach the Lipschitz
@@ -93,7 +99,7 @@ class ModelConfig:
             _check_int(name, getattr(self, name), minimum=2 if name == "num_classes" else 1)
         for name in ("embed_cap", "value_cap", "output_cap", "attn_radius"):
             _check_positive(name, getattr(self, name))
-        for name in ("query_key_cap", "mlp_radius", "final_radius", "score_norm"):
+        for name in ("query_key_cap", "mlp_radius", "final_radius", "score_norm", "value_norm"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         if not _is_real(self.input_center) or not math.isfinite(self.input_center):
@@ -102,6 +108,10 @@ class ModelConfig:
             raise LofastError(f"pool must be 'mean' or 'cls', not {self.pool!r}")
         if self.query_key not in ("learned", "identity"):
             raise LofastError(f"query_key must be 'learned' or 'identity', not {self.query_key!r}")
+        if self.live_blocks is not None:
+            _check_int("live_blocks", self.live_blocks, minimum=1)
+            if self.live_blocks > self.depth:
+                raise LofastError(f"live_blocks {self.live_blocks} exceeds depth {self.depth}")
         if not isinstance(self.position_bias, bool):
             raise LofastError(f"position_bias must be true or false, not {self.position_bias!r}")
         if self.image_size % self.patch_size:
@@ -122,8 +132,17 @@ class ModelConfig:
         d, n, hidden = self.width, self.num_tokens, self.width * self.mlp_ratio
         embed = d * self.channels * self.patch_size**2 + d + self.num_patches * d + d
         bias = self.heads * n * n if self.position_bias else 0
-        block = (4 if self.query_key == "learned" else 2) * d * d + bias + d * hidden + 2 * hidden
-        return embed + self.depth * block + self.num_classes * (d + 1)
+        block = 4 * d * d + bias + d * hidden + 2 * hidden
+        identity = 0 if self.query_key == "learned" else sum(not self.learned_query_key(b)
+                                                            for b in range(self.depth))
+        return embed + self.depth * block - identity * 2 * d * d + self.num_classes * (d + 1)
+
+    def is_live(self, block: int) -> bool:
+        """Whether score_norm, value_norm and query_key apply to block (0-based)."""
+        return self.live_blocks is None or block >= self.depth - self.live_blocks
+
+    def learned_query_key(self, block: int) -> bool:
+        return self.query_key == "learned" or not self.is_live(block)
 
     @property
     def num_patches(self) -> int:

@@ -248,3 +248,23 @@ def test_every_preset_trains_a_step_and_certifies(name, one_thread):
     assert len(certificate.steps) == len(model.stages) - 1
     assert certificate.guarantee is Guarantee.EXACT
     assert (certificate.radius() > 0).all()
+
+
+def test_value_norm_and_live_blocks_fix_the_last_blocks_attention():
+    """value_norm fixes every head's ||Wv_l Wo_l|| (as score_norm fixes ||Wq_l Wk_l^T||), and
+    live_blocks confines both, and identity query-key weights, to the last blocks."""
+    config = preset("tiny", depth=3, score_norm=4.0, value_norm=0.2, query_key="identity",
+                    live_blocks=1)
+    model = create_model(config, seed=0).double()
+    attention = [spec for spec in model.structure() if type(spec).__name__ == "AttentionSpec"]
+    for i, spec in enumerate(attention):
+        values = torch.linalg.matrix_norm(spec.value @ spec.output, ord=2)
+        scores = torch.linalg.matrix_norm(spec.query @ spec.key.mT, ord=2)
+        if i < 2:  # learned and capped: below the caps, not fixed
+            assert (values <= 0.25 + 1e-9).all() and (scores <= 1 + 1e-9).all()
+        else:
+            torch.testing.assert_close(values, torch.full_like(values, 0.2))
+            torch.testing.assert_close(scores, torch.full_like(scores, 4.0))
+    assert config.parameter_count() == sum(p.numel() for p in model.parameters())
+    with pytest.raises(LofastError, match="live_blocks"):
+        preset("tiny", live_blocks=3)

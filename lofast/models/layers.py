@@ -117,17 +117,20 @@ class Attention(HoldsCappedWeights, nn.Module):
 
     P_l(X) = softmax(X Wq_l (X Wk_l)^T / s + C_l), with C_l a learned (n, n) position bias when
     ``num_tokens`` is given (zero at initialisation) and C_l = 0 otherwise. With ``score_norm``
-    g, every head's A_l = Wq_l Wk_l^T has spectral norm exactly g (after the caps). Without
-    ``learned_query_key``, Wq = Wk = I (dot-product similarity per head).
+    g, every head's A_l = Wq_l Wk_l^T has spectral norm exactly g (after the caps), and with
+    ``value_norm`` b every head's B_l = Wv_l Wo_l norm b. Without ``learned_query_key``,
+    Wq = Wk = I (dot-product similarity per head).
     Heads split the columns of Wq, Wk, Wv (d, d) and the rows of Wo (d, d); the caps apply to
     the whole matrices, so every head's ||Wv_l Wo_l|| <= value_cap * output_cap.
     """
 
     def __init__(self, width: int, heads: int, query_key_cap: float | None,
                  value_cap: float, output_cap: float, num_tokens: int | None = None,
-                 score_norm: float | None = None, learned_query_key: bool = True) -> None:
+                 score_norm: float | None = None, learned_query_key: bool = True,
+                 value_norm: float | None = None) -> None:
         super().__init__()
         self.score_norm = score_norm
+        self.value_norm = value_norm
         self.heads = heads
         self.head_dim = width // heads
         self.scale = math.sqrt(width / heads)
@@ -151,25 +154,31 @@ class Attention(HoldsCappedWeights, nn.Module):
             capped["query"] = capped["key"] = torch.eye(like.shape[0], dtype=like.dtype,
                                                         device=like.device)
         if self.score_norm is not None:
-            capped["query"], capped["key"] = self._fixed_score_norm(capped["query"],
-                                                                     capped["key"])
+            capped["query"], capped["key"] = self._fixed_head_norm(
+                capped["query"], capped["key"], self.score_norm)
+        if self.value_norm is not None:
+            value, output_t = self._fixed_head_norm(capped["value"], capped["output"].T,
+                                                    self.value_norm)
+            capped["value"], capped["output"] = value, output_t.T
         return capped
 
-    def _fixed_score_norm(self, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
-        """Wq, Wk (d, d) with every head's columns scaled by sqrt(g / ||Wq_l Wk_l^T||), so that
-        ||A_l|| = g = score_norm exactly: training cannot switch attention off by shrinking
-        A_l (it still chooses its direction). The certifier measures ||A_l|| from the weights
-        itself; g only shapes the function. ||Wq_l Wk_l^T|| = ||R_q R_k^T|| for the QR
-        factors of the (d, dh) blocks, a (dh, dh) norm."""
-        d, h, dh = query.shape[0], self.heads, self.head_dim
-        q_heads = query.reshape(d, h, dh).permute(1, 0, 2)  # (h, d, dh)
-        k_heads = key.reshape(d, h, dh).permute(1, 0, 2)
-        r_q = torch.linalg.qr(q_heads).R  # mode "r" has no derivative
-        r_k = torch.linalg.qr(k_heads).R
-        norms = torch.linalg.matrix_norm(r_q @ r_k.transpose(1, 2), ord=2)  # (h,)
-        factor = torch.sqrt(self.score_norm / norms.clamp_min(1e-12))  # (h,)
+    def _fixed_head_norm(self, left: Tensor, right: Tensor, target: float,
+                         ) -> tuple[Tensor, Tensor]:
+        """left, right (d, d) with every head's columns scaled by sqrt(g / ||L_l R_l^T||), so
+        that ||L_l R_l^T|| = g = target exactly, for head l's (d, dh) column blocks L_l, R_l:
+        A_l = Wq_l Wk_l^T (score_norm) or B_l = Wv_l Wo_l with R = Wo^T (value_norm). Training
+        cannot switch attention off by shrinking them (it still chooses their directions). The
+        certifier measures the norms from the weights itself; g only shapes the function.
+        ||L_l R_l^T|| = ||R_L R_R^T|| for the QR factors of the blocks, a (dh, dh) norm."""
+        d, h, dh = left.shape[0], self.heads, self.head_dim
+        left_heads = left.reshape(d, h, dh).permute(1, 0, 2)  # (h, d, dh)
+        right_heads = right.reshape(d, h, dh).permute(1, 0, 2)
+        r_left = torch.linalg.qr(left_heads).R  # mode "r" has no derivative
+        r_right = torch.linalg.qr(right_heads).R
+        norms = torch.linalg.matrix_norm(r_left @ r_right.transpose(1, 2), ord=2)  # (h,)
+        factor = torch.sqrt(target / norms.clamp_min(1e-12))  # (h,)
         columns = factor.repeat_interleave(dh)  # head l owns columns l*dh ... (l+1)*dh - 1
-        return query * columns, key * columns
+        return left * columns, right * columns
 
     def effective_weights(self) -> dict[str, Tensor]:
         return self.held if self.held is not None else self._capped()

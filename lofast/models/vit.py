@@ -39,11 +39,14 @@ class LipschitzViT(nn.Module):
             PatchEmbed(c.image_size, c.channels, c.patch_size, c.width, c.embed_cap,
                        c.input_center)
         ]
-        for _ in range(c.depth):
+        for block in range(c.depth):
+            live = c.is_live(block)
             stages.append(LayerProject(c.attn_radius))
             stages.append(Attention(c.width, c.heads, c.query_key_cap, c.value_cap,
                                     c.output_cap, c.num_tokens if c.position_bias else None,
-                                    c.score_norm, c.query_key == "learned"))
+                                    c.score_norm if live else None,
+                                    c.learned_query_key(block),
+                                    c.value_norm if live else None))
             if c.mlp_radius is not None:
                 stages.append(LayerProject(c.mlp_radius))
             stages.append(SLL(c.width, c.width * c.mlp_ratio))
@@ -97,13 +100,16 @@ INIT_OPTIONS = {
     "position_bias": "zero position biases (the same function), free to train",
     "score_norm": "every head's ||Wq_l Wk_l^T|| fixed at this value (attention kept alive)",
     "query_key": "'identity': Wq = Wk = I, the learned query and key weights dropped",
+    "value_norm": "every head's ||Wv_l Wo_l|| fixed at this value (attention kept alive)",
+    "live_blocks": "the three options above only in the last N blocks",
 }
 
 
 def with_options(model: LipschitzViT, **changes) -> LipschitzViT:
     """A copy of ``model`` with config fields from INIT_OPTIONS changed: position_bias=True adds
     zero biases (the same function); score_norm rescales every head's scores to that norm;
-    query_key='identity' replaces the learned Wq, Wk by the identity."""
+    query_key='identity' replaces the learned Wq, Wk by the identity; value_norm rescales every
+    head's value path to that norm; live_blocks limits these to the last blocks."""
     unknown = sorted(set(changes) - set(INIT_OPTIONS))
     if (unknown or changes.get("position_bias", True) is not True
             or changes.get("query_key", "identity") != "identity"):
