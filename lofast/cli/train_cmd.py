@@ -51,8 +51,10 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
                    "more epochs on a new schedule); replaces --preset and --model-option, "
                    "except --model-option position_bias=true, which adds zero position biases "
                    "(the same function) to a checkpoint without them, score_norm=G, which "
-                   "fixes every head's ||Wq_l Wk_l^T|| at G, and query_key=identity, which "
-                   "replaces the learned Wq, Wk by the identity.")
+                   "fixes every head's ||Wq_l Wk_l^T|| at G, query_key=identity, which "
+                   "replaces the learned Wq, Wk by the identity, value_norm=B, which fixes "
+                   "every head's ||Wv_l Wo_l|| at B, and live_blocks=N, which confines those "
+                   "three to the last N blocks.")
 @click.option("--epochs", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--lr", type=float, default=1e-3, show_default=True)
@@ -161,8 +163,8 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
         options = parse_model_options(model_options)
         if preset_given or not set(options) <= set(INIT_OPTIONS):
             raise LofastError("--init takes the architecture from the checkpoint; drop --preset "
-                              "and --model-option (only position_bias=true, score_norm=G and "
-                              "query_key=identity may be added)")
+                              "and --model-option (only " + ", ".join(INIT_OPTIONS)
+                              + " may be added)")
         model = load_checkpoint(init_path)
         if options:
             model = with_options(model, **options)
