@@ -60,32 +60,34 @@ class Certification:
 def certify(checkpoint: str | Path | LipschitzViT | None = None,
             data: str | Path | ImageDataset | None = None,
             eps: float | Sequence[float] = 0.05, *, n: int | None = None, split: str = "test",
-            settings: CertifySettings | None = None, device: str = "auto",
+            dataset: str | None = None, settings: CertifySettings | None = None,
+            device: str = "auto",
             batch_size: int | None = None) -> Certification:
     """Certify the first ``n`` samples (all when None) of ``data`` at every ``eps`` (l2 radii in
     [0, 1] pixel scale) with LoFAST.
 
     checkpoint: a path (the shipped default when None) or a model; data: a path, a loaded data
-    set, or None for the bundled sample. A checkpoint read from a file also checks that the
-    data's class names are those it was trained on. settings: ``CertifySettings()`` (the CLI's
-    defaults) when None.
+    set, or None for the bundled sample; dataset: the kind of data at a path ("cifar10",
+    "svhn", "folder"; the checkpoint's when None). A checkpoint read from a file also checks
+    that the data's class names are those it was trained on. settings: ``CertifySettings()``
+    (the CLI's defaults) when None.
     """
     if isinstance(checkpoint, LipschitzViT):
         model, metadata, digest = checkpoint, {}, "in memory"
     else:
         path = Path(checkpoint) if checkpoint is not None else default_checkpoint_path()
         model, metadata, digest = load_checkpoint(path), read_metadata(path), file_digest(path)[:16]
-    dataset, order = load_samples(model, metadata, data, None, split, n)
+    data, order = load_samples(model, metadata, data, dataset, split, n)
     eps = sorted({float(eps)} if isinstance(eps, (int, float)) else {float(e) for e in eps})
     settings = settings or CertifySettings()
     dev = resolve_device(device)
     batch_size = batch_size or default_batch_size(dev)
     certifier = Certifier(model, settings, dev)
-    run = run_settings(digest, dataset, split, settings)
+    run = run_settings(digest, data, split, settings)
     started = time.perf_counter()
     records: list[SampleRecord] = []
     failure = 0.0
-    for _, batch, batch_failure in certified_batches(certifier, dataset, order, eps, run,
+    for _, batch, batch_failure in certified_batches(certifier, data, order, eps, run,
                                                      batch_size):
         records.extend(batch)
         failure = max(failure, batch_failure)

@@ -96,7 +96,7 @@ def test_api_gives_the_cli_records(one_thread, tmp_path):
 def test_api_takes_models_and_data_sets(one_thread, checkpoint, data_dir):
     model = lofast.load_model(checkpoint)
     data = lofast.load_data(data_dir, dataset="folder")
-    from_paths = lofast.certify(checkpoint, data_dir, eps=0.1, n=4)
+    from_paths = lofast.certify(checkpoint, data_dir, eps=0.1, n=4, dataset="folder")
     from_objects = lofast.certify(model, data, eps=0.1, n=4,
                                   settings=CertifySettings(guarantee="exact"))
     assert [r.radius for r in from_paths.records] == [r.radius for r in from_objects.records]
