@@ -144,12 +144,19 @@ def split(domain: Domain) -> tuple[dict[Neuron, bool], dict[Neuron, bool]]:
     return {**domain.splits, domain.branch: True}, {**domain.splits, domain.branch: False}
 
 
-def _unstable(batch: BoundBatch, d: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(lower, upper, layer offsets) of domain d's pre-activations, all layers flattened into
-    one vector, and a mask of the unstable ones (lower < 0 < upper)."""
+def _unstable(batch: BoundBatch, d: int, splits: Splits) -> tuple[Tensor, Tensor, Tensor]:
+    """(lower, upper) of domain d's pre-activations, all layers flattened into one vector, and
+    a mask of the unstable ones (lower < 0 < upper) that are not split yet (a bounder that
+    honours the splits reports those as stable anyway)."""
     lo = torch.cat([t[d] for t in batch.pre_lower])
     up = torch.cat([t[d] for t in batch.pre_upper])
-    return lo, up, (lo < 0) & (up > 0)
+    unstable = (lo < 0) & (up > 0)
+    offsets = [0]
+    for t in batch.pre_lower:
+        offsets.append(offsets[-1] + t.shape[1])
+    for layer, index in splits:
+        unstable[offsets[layer] + index] = False
+    return lo, up, unstable
 
 
 def _neuron(batch: BoundBatch, flat: int) -> Neuron:
@@ -160,23 +167,24 @@ def _neuron(batch: BoundBatch, flat: int) -> Neuron:
     raise IndexError(flat)
 
 
-def choose_widest(batch: BoundBatch, d: int) -> Neuron | None:
-    """The unstable neuron of domain d with the widest pre-activation interval, or None."""
-    lo, up, unstable = _unstable(batch, d)
+def choose_widest(batch: BoundBatch, d: int, splits: Splits) -> Neuron | None:
+    """The unstable neuron of domain d (whose splits are given) with the widest
+    pre-activation interval, or None."""
+    lo, up, unstable = _unstable(batch, d, splits)
     if not unstable.any():
         return None
     width = torch.where(unstable, up - lo, -torch.inf)
     return _neuron(batch, int(width.argmax()))
 
 
-def choose_babsr(batch: BoundBatch, d: int) -> Neuron | None:
+def choose_babsr(batch: BoundBatch, d: int, splits: Splits) -> Neuron | None:
     """BaBSR-style choice for domain d: the unstable neuron whose upper relaxation costs the
     lower bound most, -min(A, 0) * u (-l) / (u - l) summed over the margins not yet proven
     positive (A: the coefficient of the ReLU output, u (-l) / (u - l): the intercept of the
     upper line). The widest when the bounder gives no coefficients or no score is positive."""
     if batch.coefficients is None:
-        return choose_widest(batch, d)
-    lo, up, unstable = _unstable(batch, d)
+        return choose_widest(batch, d, splits)
+    lo, up, unstable = _unstable(batch, d, splits)
     if not unstable.any():
         return None
     open_margins = batch.lower[d] <= 0  # (S,)
@@ -185,11 +193,11 @@ def choose_babsr(batch: BoundBatch, d: int) -> Neuron | None:
     intercept = torch.where(unstable, up * (-lo) / (up - lo), 0.0)
     score = torch.where(unstable, cost * intercept, -torch.inf)
     if not score.max() > 0:
-        return choose_widest(batch, d)
+        return choose_widest(batch, d, splits)
     return _neuron(batch, int(score.argmax()))
 
 
-CHOOSERS: dict[str, Callable[[BoundBatch, int], Neuron | None]] = {
+CHOOSERS: dict[str, Callable[[BoundBatch, int, Splits], Neuron | None]] = {
     "babsr": choose_babsr, "widest": choose_widest}
 
 
@@ -248,7 +256,7 @@ def branch_and_bound(bounder: Bounder, settings: BabSettings = BabSettings(),
             return result("falsified", "counterexample found", point)
         if lower_bound > 0:
             return result("verified", None)
-        branch = choose(root, 0)
+        branch = choose(root, 0, {})
         if branch is None:
             return result("unknown", "no unstable ReLU to split")
         heapq.heappush(heap, (lower_bound, next(order), Domain({}, lower, branch)))
@@ -279,7 +287,7 @@ def branch_and_bound(bounder: Bounder, settings: BabSettings = BabSettings(),
                 if worst > 0:
                     closed = min(closed, worst)
                     continue
-                branch = choose(batch, c)
+                branch = choose(batch, c, splits)
                 if branch is None:
                     stuck = worst
                 heapq.heappush(heap, (worst, next(order), Domain(splits, lower, branch)))

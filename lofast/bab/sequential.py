@@ -17,6 +17,7 @@ from lofast.bab.driver import BoundBatch, Splits
 from lofast.errors import LofastError
 
 SEQUENTIAL_METHODS = ("ibp", "crown")
+BETA_LR = 0.05  # Adam's step for the split multipliers
 
 
 class SequentialBounder:
@@ -26,7 +27,8 @@ class SequentialBounder:
         ending with Linear, ReLU never twice in a row; computed in float64.
     x: one input (any shape whose numel is the first layer's in_features); label: its class.
     method: "ibp" (intervals all the way) or "crown" (intervals for the pre-activations, then a
-        backward linear relaxation of the margins, intersected with the intervals' bound).
+        backward linear relaxation of the margins, intersected with the intervals' bound; in
+        split domains with beta-CROWN's split multipliers, optimised for `beta_steps` steps).
 
     Splits (see `lofast.bab.driver`) are applied where the pre-activation intervals are formed:
     an active neuron's interval is cut to [max(l, 0), u], an inactive one's to [l, min(u, 0)],
@@ -36,7 +38,7 @@ class SequentialBounder:
     """
 
     def __init__(self, net: nn.Sequential, x: Tensor, label: int, eps: float,
-                 method: str = "crown") -> None:
+                 method: str = "crown", beta_steps: int = 30) -> None:
         if method not in SEQUENTIAL_METHODS:
             raise LofastError(f"method must be one of {', '.join(SEQUENTIAL_METHODS)}")
         if not eps >= 0:
@@ -54,6 +56,7 @@ class SequentialBounder:
         self.x = x.detach().double().reshape(-1)
         self.eps = float(eps)
         self.method = method
+        self.beta_steps = beta_steps
         k = self.weights[-1].shape[0]
         if not 0 <= label < k:
             raise LofastError(f"label must lie in [0, {k})")
@@ -114,16 +117,48 @@ class SequentialBounder:
             return BoundBatch(lower, [], [], [], candidates)
         lower, coefficients, candidates = lo, None, None
         if self.method == "crown":
-            crown, coefficients, a = self._backward(pre_lower, pre_upper)
+            crown, coefficients, a = self._optimised(pre_lower, pre_upper, masks)
             lower = torch.maximum(lower, crown)
             candidates = self._minimisers(a, crown)
         lower = torch.where(empty[:, None], torch.inf, lower)
         return BoundBatch(lower, pre_lower, pre_upper, coefficients, candidates)
 
-    def _backward(self, pre_lower: list[Tensor], pre_upper: list[Tensor]
-                  ) -> tuple[Tensor, list[Tensor], Tensor]:
+    def _optimised(self, pre_lower: list[Tensor], pre_upper: list[Tensor],
+                   masks: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, list[Tensor], Tensor]:
+        """`_backward` with beta >= 0 for every split, each margin's maximised by projected
+        gradient ascent (Adam); returns the best bound found per margin and the coefficients
+        of the last step. Any beta >= 0 gives a sound bound, so stopping anywhere is safe."""
+        signs = [active.double() - inactive.double() for active, inactive in masks]  # (D, n_l)
+        if not any(s.any() for s in signs) or self.beta_steps == 0:
+            return self._backward(pre_lower, pre_upper)
+        s_count = self.spec.shape[0]
+        betas = [torch.zeros(len(s), s_count, s.shape[1], dtype=torch.float64,
+                             requires_grad=True) for s in signs]
+        optimiser = torch.optim.Adam(betas, lr=BETA_LR)
+        best = None
+        for _ in range(self.beta_steps):
+            with torch.enable_grad():
+                terms = [b * s[:, None] for b, s in zip(betas, signs, strict=True)]
+                lower, coefficients, a = self._backward(pre_lower, pre_upper, terms)
+                optimiser.zero_grad()
+                (-lower.sum()).backward()
+            optimiser.step()
+            with torch.no_grad():
+                for b in betas:
+                    b.clamp_(min=0)
+            lower = lower.detach()
+            best = lower if best is None else torch.maximum(best, lower)
+        return best, [c.detach() for c in coefficients], a.detach()
+
+    def _backward(self, pre_lower: list[Tensor], pre_upper: list[Tensor],
+                  betas: list[Tensor] | None = None) -> tuple[Tensor, list[Tensor], Tensor]:
         """CROWN: the margins' lower bounds (D, S), the coefficients of every ReLU output
-        (per layer (D, S, n_l)) and the input coefficients (D, S, n_in)."""
+        (per layer (D, S, n_l)) and the input coefficients (D, S, n_in).
+
+        betas: per layer (D, S, n_l), beta * s for the split neurons (s = +1 for z >= 0, -1
+        for z <= 0, beta >= 0), else 0: beta-CROWN's Lagrangian term -beta s z, which is <= 0
+        on the domain, is added to the margin before bounding it, so the bound stays sound and
+        the splits constrain the input, not only their own neurons."""
         d = pre_lower[0].shape[0]
         a = (self.spec @ self.weights[-1]).expand(d, -1, -1)  # on the last ReLU's output
         const = (self.spec @ self.biases[-1]).expand(d, -1)
@@ -142,6 +177,8 @@ class SequentialBounder:
             slope = torch.where(positive, lower_slope[:, None], upper_slope[:, None])
             const = const + torch.where(positive, 0.0, a * upper_icpt[:, None]).sum(dim=-1)
             a = a * slope  # on the pre-activation
+            if betas is not None:
+                a = a - betas[i]
             const = const + a @ self.biases[i]
             a = a @ self.weights[i]
         lower = a @ self.x + const - self.eps * a.norm(dim=-1)
