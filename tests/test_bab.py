@@ -408,3 +408,65 @@ def test_beta_crown_subdomain_bounds_hold_on_their_points(tiny):
             checked += int(inside.any())
             assert (margins[inside] >= batch.lower[d] - 1e-7).all()
     assert checked > 2
+
+
+# --- command line and records ----------------------------------------------------------------
+
+
+def test_beta_crown_without_auto_lirpa_is_one_clear_line(checkpoint, data_dir, monkeypatch):
+    from click.testing import CliRunner
+
+    import lofast.crown
+    from lofast.cli.main import cli
+
+    monkeypatch.setattr(lofast.crown, "crown_available", lambda: False)
+    result = CliRunner().invoke(cli, ["certify", "--checkpoint", str(checkpoint), "--data",
+                                      str(data_dir), "--eps", "0.1", "--fallback", "beta-crown"])
+    assert result.exit_code == 1 and "auto_LiRPA" in result.output
+    assert "pip install" in result.output and "Traceback" not in result.output
+
+
+def test_fallback_fields_read_back_and_old_records_still_read():
+    import dataclasses
+    import json
+
+    from lofast.report import SampleRecord, record_from_json
+
+    record = SampleRecord(index=3, label=1, prediction=1, margin=0.1, radius=0.0,
+                          verdicts={"0.05": False}, bounds={"0.05": 0.0},
+                          verifiers={"0.05": None},
+                          fallback={"0.05": {"method": "beta-crown", "verdict": "unknown",
+                                             "bound": -0.01, "domains": 17, "seconds": 2.5}})
+    assert record_from_json(json.loads(record.to_json())) == record
+    old = dataclasses.asdict(record)
+    del old["fallback"], old["falsified"], old["counterexamples"]  # as files before them
+    assert record_from_json(old).fallback == {}
+    with pytest.raises(ValueError):
+        record_from_json({**old, "fallback": []})
+
+
+@pytest.mark.crown
+def test_cli_beta_crown_writes_the_fallback_to_the_records(lirpa, checkpoint, data_dir,
+                                                           tmp_path):
+    from click.testing import CliRunner
+
+    from lofast.cli.main import cli
+    from lofast.report import read_run
+
+    out = tmp_path / "run.jsonl"
+    args = ["certify", "--checkpoint", str(checkpoint), "--data", str(data_dir), "--n", "4",
+            "--eps", "0.001", "--eps", "0.3", "--fallback", "beta-crown", "--fallback-timeout",
+            "20", "--out", str(out), "--json"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    records = read_run(out)
+    ran = [(r, key) for r in records for key in r.fallback]
+    assert ran  # the fallback ran on some sample
+    for r, key in ran:
+        entry = r.fallback[key]
+        assert entry["method"] == "beta-crown" and entry["domains"] >= 1
+        assert r.verdicts[key] == (entry["verdict"] == "verified")
+        assert r.verifiers[key] == ("beta-crown" if r.verdicts[key] else None)
+        assert entry["seconds"] == r.fallback_seconds[key]
+    resumed = CliRunner().invoke(cli, [*args, "--resume"])
+    assert resumed.exit_code == 0 and "resuming: 4 samples" in resumed.output
