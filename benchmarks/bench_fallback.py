@@ -18,8 +18,9 @@ How it is measured:
 - Seconds per fallback sample: the fallback's own time per sample it ran on (auto_LiRPA graph
   construction included; the export of the model, under a second, is not).
 
-Each configuration's records are written to OUT/CONFIG.jsonl; a rerun reuses the files that
-exist (delete them to measure again), so an interrupted run continues.
+Each configuration runs in a process of its own and writes its records to OUT/CONFIG.jsonl; a
+rerun reuses the files that exist (delete them to measure again), so an interrupted run
+continues.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=400.0, help="seconds per sample")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_fallback"))
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--only", help=argparse.SUPPRESS)  # one config, in this process
     args = parser.parse_args()
     args.eps = sorted(args.eps or [0.02, 0.05])
     configs = args.configs.split(",")
@@ -92,7 +94,14 @@ def main() -> None:
             records = base
         elif path.exists():
             records = read_run(path)
+        elif args.only is None:
+            # a fresh process per configuration: alpha-CROWN's ~15 GB (float64, paper-d3)
+            # are not always handed back to the system after one configuration ends
+            subprocess.run([sys.executable, *sys.argv, "--only", name], check=True)
+            records = read_run(path)
         else:
+            if name != args.only:
+                continue
             method, bab = CONFIGS[name]
             records = copy.deepcopy(base)
             print(f"{name}:", file=sys.stderr, flush=True)
@@ -104,6 +113,8 @@ def main() -> None:
         if wall is None and (args.out / f"{name}.wall").exists():
             wall = float((args.out / f"{name}.wall").read_text())
         rows[name] = (records, wall)
+    if args.only is not None:
+        return
 
     print(f"\n{len(base)} test images, checkpoint {args.checkpoint.name}, per-sample limit "
           f"{args.timeout:g} s, torch threads {torch.get_num_threads()} "
@@ -112,7 +123,7 @@ def main() -> None:
     for e in args.eps:
         header += f" certified @ {e:g} | fallback runs @ {e:g} (certified) |"
     print(header + " mean s / fallback sample | domains (mean, max) | wall s |")
-    print("|" + " --- |" * (3 + 2 * len(args.eps)))
+    print("|" + " --- |" * (4 + 2 * len(args.eps)))
     summary = {}
     for name, (records, wall) in rows.items():
         line = f"| LoFAST{'' if name == 'none' else ' -> ' + name} |"

@@ -3,6 +3,7 @@ plain-torch bounder (no auto_LiRPA needed), verified results checked against den
 2-D input; with auto_LiRPA, beta-CROWN on a tiny lofast model against PGD and alpha-CROWN."""
 
 import itertools
+import json
 import math
 import time
 
@@ -338,16 +339,18 @@ def lirpa(one_thread):
 
 @pytest.fixture(scope="module")
 def tiny(lirpa):
-    from helpers import train_tiny
+    """The randomised tiny model of test_crown (one block, 16 x 16 images) without a class
+    preference, and 4 of 64 random images spread from the smallest margin up."""
+    from test_crown import images_and_predictions, small_model
 
-    model, x, y = train_tiny()
-    model = model.double()
+    model = small_model(seed=2, depth=1)
     with torch.no_grad():
-        logits = model(x.double())
-    correct = logits.argmax(dim=1) == y
-    top2 = logits.topk(2, dim=1).values
-    order = [int(i) for i in (top2[:, 0] - top2[:, 1]).argsort() if correct[i]]
-    return model, x.double()[order[:4]], y[order[:4]]  # the smallest margins first
+        model.stages[-1].bias.zero_()
+    x, y = images_and_predictions(model, 64, seed=2)
+    with torch.no_grad():
+        top2 = model(x).topk(2, dim=1).values
+    order = (top2[:, 0] - top2[:, 1]).argsort()[::16]
+    return model, x[order], y[order]
 
 
 @pytest.mark.crown
@@ -358,9 +361,9 @@ def test_beta_crown_is_sound_and_at_least_alpha_crown(tiny):
 
     model, x, y = tiny
     alpha_won = beta_won = broken_any = 0
-    for eps in (0.1, 0.25):
+    for eps in (0.05, 0.1):
         alpha = crown_verify(model, x, y, eps, method="alpha-crown", timeout=60)
-        beta = beta_crown_verify(model, x, y, eps, timeout=20, alpha_iterations=20,
+        beta = beta_crown_verify(model, x, y, eps, timeout=10, alpha_iterations=20,
                                  settings=BabSettings(batch_size=8))
         broken = pgd_l2(model, x, y, eps, steps=50, restarts=3)
         for a, b, attacked in zip(alpha, beta, broken):
@@ -371,20 +374,23 @@ def test_beta_crown_is_sound_and_at_least_alpha_crown(tiny):
         alpha_won += sum(a.certified for a in alpha)
         beta_won += sum(b.certified for b in beta)
         broken_any += int(broken.sum())
-    assert beta_won >= alpha_won and broken_any  # both sides of the check were exercised
+    assert beta_won >= alpha_won and beta_won and broken_any  # both sides were exercised
 
 
 @pytest.mark.crown
-def test_beta_crown_subdomain_bounds_hold_on_their_points(tiny):
+def test_beta_crown_subdomain_bounds_hold_on_their_points(lirpa):
     """Every subdomain's bound, with its splits as constraints inside auto_LiRPA, lies below
     the margins of the points (random ones on and in the ball) that satisfy its splits."""
+    from test_crown import images_and_predictions, small_model
+
     from lofast.crown import MarginBounder
     from lofast.crown.beta import BetaCrownBounder
 
-    model, x, y = tiny
-    eps = 0.25
+    model = small_model(depth=1)
+    x, y = images_and_predictions(model, 2)
+    x, y, eps = x[1:], y[1:], 0.2  # alpha-CROWN's bound is about -0.05 here
     bounder = BetaCrownBounder(MarginBounder(model, eps, "alpha-crown", alpha_iterations=5),
-                               x[:1], y[:1], iterations=5)
+                               x, y, iterations=5)
     recording = Recording(bounder)
     result = branch_and_bound(recording, BabSettings(timeout=20, batch_size=8))
     assert result.domains > 1  # it did branch
@@ -393,7 +399,7 @@ def test_beta_crown_subdomain_bounds_hold_on_their_points(tiny):
     directions /= directions.flatten(1).norm(dim=1)[:, None, None, None]
     scale = torch.rand(2000, generator=g, dtype=torch.float64)[:, None, None, None]
     scale[:1000] = 1.0
-    points = x[:1] + eps * scale * directions
+    points = x + eps * scale * directions
     module = bounder.module
     with torch.no_grad():
         module(points)  # records every node's value
@@ -446,27 +452,28 @@ def test_fallback_fields_read_back_and_old_records_still_read():
 
 
 @pytest.mark.crown
-def test_cli_beta_crown_writes_the_fallback_to_the_records(lirpa, checkpoint, data_dir,
-                                                           tmp_path):
-    from click.testing import CliRunner
+def test_run_fallback_writes_beta_crown_results_to_the_records(tiny):
+    """What `lofast certify --fallback beta-crown` runs after LoFAST, on records LoFAST left
+    open: verdicts, verifier, reasons, the fallback entry, and progress per sample."""
+    from lofast.pipeline import run_fallback
+    from lofast.report import SampleRecord, record_from_json
 
-    from lofast.cli.main import cli
-    from lofast.report import read_run
-
-    out = tmp_path / "run.jsonl"
-    args = ["certify", "--checkpoint", str(checkpoint), "--data", str(data_dir), "--n", "4",
-            "--eps", "0.001", "--eps", "0.3", "--fallback", "beta-crown", "--fallback-timeout",
-            "20", "--out", str(out), "--json"]
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 0, result.output
-    records = read_run(out)
-    ran = [(r, key) for r in records for key in r.fallback]
-    assert ran  # the fallback ran on some sample
-    for r, key in ran:
-        entry = r.fallback[key]
-        assert entry["method"] == "beta-crown" and entry["domains"] >= 1
-        assert r.verdicts[key] == (entry["verdict"] == "verified")
-        assert r.verifiers[key] == ("beta-crown" if r.verdicts[key] else None)
-        assert entry["seconds"] == r.fallback_seconds[key]
-    resumed = CliRunner().invoke(cli, [*args, "--resume"])
-    assert resumed.exit_code == 0 and "resuming: 4 samples" in resumed.output
+    model, x, y = tiny
+    eps = [0.05, 0.1]
+    records = [SampleRecord(index=i, label=int(y[i]), prediction=int(y[i]), margin=0.1,
+                            radius=0.0, verdicts={repr(e): False for e in eps},
+                            bounds={repr(e): 0.0 for e in eps},
+                            verifiers={repr(e): None for e in eps}) for i in range(len(x))]
+    calls = []
+    run_fallback(model, x, records, eps, "beta-crown", 10,
+                 lambda phase, done, total: calls.append((phase, done, total)))
+    assert calls[:5] == [("beta-crown at eps=0.05", done, 4) for done in range(5)]
+    for r in records:
+        assert record_from_json(json.loads(r.to_json())) == r
+        for key, entry in r.fallback.items():
+            assert entry["method"] == "beta-crown" and entry["domains"] >= 1
+            assert r.verdicts[key] == (entry["verdict"] == "verified")
+            assert r.verifiers[key] == ("beta-crown" if r.verdicts[key] else None)
+            assert entry["seconds"] == r.fallback_seconds[key] <= 10 + 5
+            assert r.verdicts[key] or r.reasons[key].startswith("beta-crown: ")
+    assert any(r.verdicts["0.05"] for r in records)

@@ -19,6 +19,7 @@ piecewise-linear pieces auto_LiRPA makes of LayerProject (its relu and min/max).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +35,7 @@ from lofast.crown.verify import (
     MarginBounder,
     check_inputs,
     describe_error,
+    margin_spec,
 )
 from lofast.models.vit import LipschitzViT
 
@@ -69,8 +71,6 @@ class BetaCrownBounder:
         return self.margin_bounder.bounded
 
     def _spec(self, count: int) -> Tensor:
-        from lofast.crown.verify import margin_spec
-
         spec = margin_spec(self.label, self.margin_bounder.num_classes, self.dtype)
         return spec.expand(count, -1, -1)
 
@@ -202,7 +202,7 @@ def beta_crown_verify(model: LipschitzViT, images: Tensor, labels: Tensor, eps: 
     `domains` counts the subdomains bounded. Failures are results, as in `crown_verify`.
     """
     check_inputs(model, images, labels, timeout, 1)
-    settings = BabSettings(**{**(settings or BabSettings()).__dict__, "timeout": timeout})
+    settings = dataclasses.replace(settings or BabSettings(), timeout=timeout)
     bounder = MarginBounder(model, eps, "alpha-crown", dtype=dtype,
                             alpha_iterations=alpha_iterations)
     images = images.to(bounder.device, dtype)
