@@ -10,17 +10,17 @@ from typing import Any
 
 from lofast.errors import LofastError
 
-# Certification: the names users choose, read by the library (``certify.CertifySettings``) and
+# Certification: the names users choose, read by the library (``certificate.CertifySettings``) and
 # the CLI alike. A guarantee says what every norm in a certificate is (``bounds.spectral.
 # Guarantee`` has the same values) and names the spectral method that delivers it.
 GUARANTEES = {"exact": "verified", "probabilistic": "lanczos", "estimate": "power"}
-BOUNDS = ("lofast", "lofast-tight", "naive")  # see ``certify.BOUND_TERMS``
+BOUNDS = ("lofast", "lofast-tight", "naive")  # see ``certificate.BOUND_TERMS``
 KAPPAS = (0.5, 1.0)  # softmax Lipschitz constants: 1/2 is tight and sound, 1 is the paper's
 
 
 @dataclass(frozen=True)
 class CertifyDefaults:
-    """What ``lofast certify`` and ``certify.Certifier`` do when not told otherwise."""
+    """What ``lofast certify`` and ``certificate.Certifier`` do when not told otherwise."""
 
     guarantee: str = "exact"
     bound: str = "lofast"

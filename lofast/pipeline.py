@@ -1,5 +1,5 @@
 """The certification pipeline on a data set: LoFAST on each batch gives one record per sample
-(``certify_batch``); then, on the samples it leaves open, the (alpha-)CROWN fallback and the
+(``certified_batches``); then, on the samples it leaves open, the CROWN-family fallback and the
 PGD falsifier update those records in place, eps by eps. The CLI and the Python API
 (``lofast.api``) both run it; neither prints here.
 """
@@ -7,9 +7,10 @@ PGD falsifier update those records in place, eps by eps. The CLI and the Python 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,14 +20,32 @@ from lofast.certificate import Certifier, CertifySettings
 from lofast.errors import CertificationError, LofastError
 from lofast.report import SampleRecord, eps_key
 
+if TYPE_CHECKING:
+    from lofast.bab import BabSettings
+
+FALLBACKS = ("crown", "alpha-crown", "beta-crown")
+
+# progress(phase, done, total): called after every sample a fallback verifier finishes
+Progress = Callable[[str, int, int], None]
+
 
 def run_fallback(model: nn.Module, images: Tensor, records: Sequence[SampleRecord],
-                 eps: Sequence[float], method: str, timeout: float | None) -> None:
-    """Try (alpha-)CROWN at each eps, smallest first, on the correctly classified samples that
-    LoFAST left uncertified there; a sample the fallback fails at one eps is not tried at larger
-    ones (reported with that reason)."""
+                 eps: Sequence[float], method: str, timeout: float | None,
+                 progress: Progress | None = None, bab: BabSettings | None = None) -> None:
+    """Try a fallback verifier at each eps, smallest first, on the correctly classified samples
+    that LoFAST left uncertified there; a sample the fallback fails at one eps is not tried at
+    larger ones (reported with that reason). method: "crown" or "alpha-crown"
+    (`lofast.crown.crown_verify`), or "beta-crown" (branch and bound,
+    `lofast.crown.beta.beta_crown_verify`); timeout: seconds per sample. Each record gets the
+    fallback's verdict, bound, domains and seconds under `fallback`; images (B, C, H, W) in
+    the records' order; bab: branch-and-bound settings for "beta-crown" (the default's
+    heuristic and limits; its timeout is replaced by `timeout`). Samples are verified one at a time, reporting to `progress` (done = 0
+    before the first)."""
     from lofast.crown import crown_verify
+    from lofast.crown.beta import beta_crown_verify
 
+    if method not in FALLBACKS:
+        raise LofastError(f"fallback must be one of {', '.join(FALLBACKS)}, not {method!r}")
     failed: dict[int, str] = {}
     for e in eps:
         key = eps_key(e)
@@ -36,14 +55,23 @@ def run_fallback(model: nn.Module, images: Tensor, records: Sequence[SampleRecor
             if not r.verdicts[key]:
                 r.reasons[key] = ("misclassified" if r.prediction != r.label
                                   else failed.get(b, "LoFAST bound too loose"))
-        if not todo:
-            continue
-        labels = torch.tensor([records[b].label for b in todo])
-        results = crown_verify(model, images[todo], labels, e, method=method, timeout=timeout)
-        for b, result in zip(todo, results):
+        if todo and progress is not None:
+            progress(f"{method} at eps={key}", 0, len(todo))
+        for done, b in enumerate(todo):
             record = records[b]
+            label = torch.tensor([record.label])
+            if method == "beta-crown":
+                result, = beta_crown_verify(model, images[b:b + 1], label, e, timeout=timeout,
+                                            settings=bab)
+            else:
+                result, = crown_verify(model, images[b:b + 1], label, e, method=method,
+                                       timeout=timeout)
             record.fallback_seconds[key] = result.seconds
             record.seconds += result.seconds
+            verdict = result.verdict or ("verified" if result.certified else "unknown")
+            record.fallback[key] = {"method": method, "verdict": verdict,
+                                    "bound": result.margin_bound, "domains": result.domains,
+                                    "seconds": result.seconds}
             if result.certified:
                 record.verdicts[key] = True
                 record.verifiers[key] = method
@@ -51,6 +79,8 @@ def run_fallback(model: nn.Module, images: Tensor, records: Sequence[SampleRecor
             else:
                 failed[b] = f"{method}: {result.reason or 'not certified'} at eps={key}"
                 record.reasons[key] = failed[b]
+            if progress is not None:
+                progress(f"{method} at eps={key}", done + 1, len(todo))
 
 
 @dataclass(frozen=True)

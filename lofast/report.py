@@ -48,6 +48,10 @@ class SampleRecord:
     # where it was saved or None}. Empty where no attack ran.
     falsified: dict[str, bool] = field(default_factory=dict)
     counterexamples: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Per eps where a fallback verifier ran: {"method", "verdict" ("verified" / "unknown" /
+    # "falsified"), "bound" (its lower bound on the smallest margin, or None), "domains"
+    # (subdomains bounded by branch and bound, or None), "seconds"}. Empty in older files.
+    fallback: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def verdict(self, key: str) -> str:
         """"certified", "falsified" or "unknown" at eps key (VNN-COMP's three verdicts)."""
@@ -70,7 +74,8 @@ RECORD_FIELDS: dict[str, tuple[type, ...]] = {
     "reasons": (dict,), "rule": (str,), "seconds": (int, float), "fallback_seconds": (dict,),
     "run": (dict,),
 }
-OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"falsified": (dict,), "counterexamples": (dict,)}
+OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"falsified": (dict,), "counterexamples": (dict,),
+                                                 "fallback": (dict,)}
 
 
 def _lock(handle) -> bool:

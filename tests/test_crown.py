@@ -19,6 +19,7 @@ from lofast.crown import (
     crown_available,
     crown_verify,
     export_plain,
+    limits,
     margin_spec,
 )
 from lofast.errors import LofastError
@@ -118,7 +119,7 @@ def test_margin_spec_rows():
 
 
 def test_missing_auto_lirpa_gives_install_hint(monkeypatch):
-    crown._auto_lirpa.cache_clear()
+    crown.auto_lirpa.cache_clear()
     monkeypatch.setitem(sys.modules, "auto_LiRPA", None)  # makes `import auto_LiRPA` fail
     try:
         assert not crown_available()
@@ -127,7 +128,7 @@ def test_missing_auto_lirpa_gives_install_hint(monkeypatch):
         with pytest.raises(LofastError, match="pip install --no-deps"):
             crown_verify(model, x, y, 0.1)
     finally:
-        crown._auto_lirpa.cache_clear()
+        crown.auto_lirpa.cache_clear()
 
 
 # --- CROWN (auto_LiRPA) ----------------------------------------------------------------------
@@ -273,10 +274,10 @@ def test_invalid_arguments(lirpa):
 
 
 def test_memory_guard_turns_exhaustion_into_an_exception(monkeypatch):
-    if crown._available_memory() is None or crown._address_space() is None:
+    if limits.available_memory() is None or limits.address_space() is None:
         pytest.skip("no /proc: the memory guard is inactive")
-    monkeypatch.setattr(crown, "_available_memory", lambda: 0)  # nothing left
-    with pytest.raises(RuntimeError, match="allocate"), crown._memory_guard(torch.device("cpu")):
+    monkeypatch.setattr(limits, "available_memory", lambda: 0)  # nothing left
+    with pytest.raises(RuntimeError, match="allocate"), limits.memory_guard(torch.device("cpu")):
         torch.ones(2**28)  # 1 GiB
     assert torch.ones(2**28).sum() == 2**28  # the limit is lifted afterwards
 
@@ -287,7 +288,7 @@ def test_time_limit_restores_the_grad_mode():
     import time
 
     assert torch.is_grad_enabled()
-    with pytest.raises(crown._TimeLimit), crown._alarm(0.05):
+    with pytest.raises(limits.TimeLimit), limits.alarm(0.05):
         torch.set_grad_enabled(False)  # what a library does without a context manager
         time.sleep(5)
     assert torch.is_grad_enabled()

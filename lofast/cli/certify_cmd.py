@@ -84,11 +84,14 @@ class Shard(click.ParamType):
               help="exact: float64 Cholesky-verified norms (deterministic, rounding bounded "
                    "rigorously); probabilistic: randomized Lanczos, each norm an upper bound "
                    "with probability >= 1 - 1e-9; estimate: power iteration, NOT a certificate.")
-@click.option("--fallback", type=click.Choice(["none", "crown", "alpha-crown"]), default="none",
-              show_default=True,
-              help="Run (alpha-)CROWN from auto_LiRPA on the samples LoFAST leaves uncertified.")
+@click.option("--fallback", type=click.Choice(["none", "crown", "alpha-crown", "beta-crown"]),
+              default="none", show_default=True,
+              help="Run a verifier from auto_LiRPA on the samples LoFAST leaves uncertified: "
+                   "CROWN, alpha-CROWN, or alpha-CROWN with beta-CROWN branch and bound over "
+                   "the ReLUs (the strongest, and slowest).")
 @click.option("--fallback-timeout", type=PositiveFloat(), default=None,
-              help="Seconds the fallback may spend on one sample.")
+              help="Seconds the fallback may spend on one sample (branch and bound stops "
+                   "there with an unknown verdict).")
 @click.option("--attack", is_flag=True,
               help="Run l2 PGD on the samples no verifier certified: a sample with an "
                    "adversarial example is falsified, the rest unknown (the summary shows "
@@ -207,18 +210,20 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
     started = time.perf_counter()
     failure_probability = 0.0
     plain = PlainProgress(console)
-    columns = [TextColumn("certifying"), BarColumn(), MofNCompleteColumn(),
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn()]
     try:
         with Progress(*columns, console=console, transient=True) as progress:
-            task = progress.add_task("certify", total=len(order), completed=len(records),
+            task = progress.add_task("certifying", total=len(order), completed=len(records),
                                      rate="")
+            fallback_progress = FallbackProgress(progress, plain)
             for x, batch_records, failure in certified_batches(certifier, data, todo, eps, run,
                                                                batch_size):
                 failure_probability = max(failure_probability, failure)
                 per_sample = batch_records[0].seconds
                 if fallback != "none":
-                    run_fallback(model, x, batch_records, eps, fallback, fallback_timeout)
+                    run_fallback(model, x, batch_records, eps, fallback, fallback_timeout,
+                                 fallback_progress)
                 if attack:
                     run_attack(model, x, batch_records, eps, attack_settings)
                 writer.write(batch_records)
@@ -250,6 +255,33 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
         click.echo(json.dumps(result, indent=2))
     else:
         stdout.print(summary_table(summary, attention=attention))
+
+
+class FallbackProgress:
+    """progress(phase, done, total) for `run_fallback` (done = 0 when a phase starts): a bar
+    per phase (fallback and eps) in the live display, with elapsed and remaining time, and a
+    plain line (see PlainProgress) with the same figures where no bar is drawn. A phase's bar
+    is replaced when the next batch of samples starts it again."""
+
+    def __init__(self, progress, plain) -> None:
+        self.progress = progress
+        self.plain = plain
+        self.tasks: dict[str, tuple[int, float]] = {}  # phase -> (task, start)
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if done == 0:  # a phase starts (again, for the next batch of samples)
+            if phase in self.tasks:
+                self.progress.remove_task(self.tasks[phase][0])
+            task = self.progress.add_task(phase, total=total, rate="")
+            self.tasks[phase] = (task, time.perf_counter())
+            return
+        task, start = self.tasks[phase]
+        elapsed = time.perf_counter() - start
+        self.progress.update(task, completed=done, total=total,
+                             rate=f"{elapsed / done:.1f} s/sample")
+        remaining = elapsed / done * (total - done)
+        self.plain(f"{phase}: {done}/{total} samples, {elapsed:.0f} s elapsed, about "
+                   f"{remaining:.0f} s remaining in this batch")
 
 
 def measure_attention(model, data, order, records, eps, settings, device, batch_size):
