@@ -108,6 +108,21 @@ def hard_case(one_thread):
 # --- the driver's pieces ---------------------------------------------------------------------
 
 
+
+def subdomain_bounds_hold(calls, pre, margins, tolerance):
+    """Every bounder call's lower bound holds at the sampled points whose ReLU pattern lies in
+    its subdomain (pre[layer] (points, neurons) the pre-activations); returns how many
+    subdomains held a sampled point."""
+    checked = 0
+    for splits, batch in calls:
+        for d, domain in enumerate(splits):
+            inside = torch.ones(len(margins), dtype=torch.bool)
+            for (layer, index), active in domain.items():
+                inside &= pre[layer][:, index] >= 0 if active else pre[layer][:, index] <= 0
+            checked += int(inside.any())
+            assert (margins[inside] >= batch.lower[d] - tolerance).all()
+    return checked
+
 def test_split_gives_two_children_that_cover_the_parent():
     parent = Domain({(0, 3): True}, torch.tensor([-0.1]), (1, 5))
     active, inactive = split(parent)
@@ -151,15 +166,7 @@ def test_every_bounded_domain_holds_on_its_points(hard_case):
     z2 = z1.relu() @ net[2].weight.T + net[2].bias
     pre = (z1, z2)
     margins = recording.inner.margins(points)
-    checked = 0
-    for splits, batch in recording.calls:
-        for d, domain in enumerate(splits):
-            inside = torch.ones(len(points), dtype=torch.bool)
-            for (layer, index), active in domain.items():
-                inside &= pre[layer][:, index] >= 0 if active else pre[layer][:, index] <= 0
-            checked += int(inside.any())
-            assert (margins[inside] >= batch.lower[d] - 1e-9).all()
-    assert checked > 20
+    assert subdomain_bounds_hold(recording.calls, pre, margins, 1e-9) > 20
 
 
 def test_bookkeeping(hard_case):
@@ -405,31 +412,10 @@ def test_beta_crown_subdomain_bounds_hold_on_their_points(lirpa):
         module(points)  # records every node's value
     pre = [r.inputs[0].forward_value.reshape(len(points), -1) for r in bounder.relus]
     margins = bounder.margins(points)
-    checked = 0
-    for splits, batch in recording.calls:
-        for d, domain in enumerate(splits):
-            inside = torch.ones(len(points), dtype=torch.bool)
-            for (layer, index), active in domain.items():
-                inside &= pre[layer][:, index] >= 0 if active else pre[layer][:, index] <= 0
-            checked += int(inside.any())
-            assert (margins[inside] >= batch.lower[d] - 1e-7).all()
-    assert checked > 2
+    assert subdomain_bounds_hold(recording.calls, pre, margins, 1e-7) > 2
 
 
 # --- command line and records ----------------------------------------------------------------
-
-
-def test_beta_crown_without_auto_lirpa_is_one_clear_line(checkpoint, data_dir, monkeypatch):
-    from click.testing import CliRunner
-
-    import lofast.crown
-    from lofast.cli.main import cli
-
-    monkeypatch.setattr(lofast.crown, "crown_available", lambda: False)
-    result = CliRunner().invoke(cli, ["certify", "--checkpoint", str(checkpoint), "--data",
-                                      str(data_dir), "--eps", "0.1", "--fallback", "beta-crown"])
-    assert result.exit_code == 1 and "auto_LiRPA" in result.output
-    assert "pip install" in result.output and "Traceback" not in result.output
 
 
 def test_fallback_fields_read_back_and_old_records_still_read():

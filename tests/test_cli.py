@@ -403,12 +403,14 @@ def test_train_bad_inputs(tmp_path):
     assert result.exit_code == 1 and ("GPU" in result.output or "error" in result.output)
 
 
-def test_fallback_without_auto_lirpa_is_one_clear_line(checkpoint, data_dir, monkeypatch):
+@pytest.mark.parametrize("fallback", ["crown", "alpha-crown", "beta-crown"])
+def test_fallback_without_auto_lirpa_is_one_clear_line(checkpoint, data_dir, monkeypatch,
+                                                       fallback):
     import lofast.crown
 
     monkeypatch.setattr(lofast.crown, "crown_available", lambda: False)
     result = CliRunner().invoke(cli, ["certify", "--checkpoint", str(checkpoint), "--data",
-                                      str(data_dir), "--eps", "0.1", "--fallback", "crown"])
+                                      str(data_dir), "--eps", "0.1", "--fallback", fallback])
     assert result.exit_code == 1 and "auto_LiRPA" in result.output
     assert "pip install" in result.output and "Traceback" not in result.output
 
