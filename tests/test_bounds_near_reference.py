@@ -16,7 +16,7 @@ from test_bounds_attention import (
     with_score_gain,
 )
 
-from lofast.bounds import attention, first_order
+from lofast.bounds import attention, first_order, near_reference
 from lofast.bounds.attention import (
     attention_forward,
     attention_probabilities,
@@ -227,7 +227,8 @@ def test_verified_sensitivity_near_the_reference(monkeypatch, biased):
 
     for module in (attention, first_order):  # both call it
         monkeypatch.setattr(module, "first_order_negated_gram", refuse)
-    monkeypatch.setattr(attention, "softmax_first_order_norm", refuse)
+    for module in (attention, near_reference):  # the direct path and the verified one
+        monkeypatch.setattr(module, "softmax_first_order_norm", refuse)
     sens = attention_sensitivity(X, w, score_bound="relaxed", softmax_jacobian=True,
                                  method=VERIFIED)
     assert (sens.zeta >= first).all() and (sens.softmax_first_order >= softmax).all()
@@ -244,13 +245,14 @@ def test_far_from_the_reference_the_gram_matrices_take_over(monkeypatch):
     X = patterned_tokens("random", 3, n, d, seed=18)
     first, whole, softmax = dense_norms(X, w)
     calls = []
-    real = attention.softmax_first_order_norm
+    real = near_reference.softmax_first_order_norm
 
     def counting(probs, *args, **kwargs):
         calls.append(probs.shape[0])
         return real(probs, *args, **kwargs)
 
-    monkeypatch.setattr(attention, "softmax_first_order_norm", counting)
+    for module in (attention, near_reference):
+        monkeypatch.setattr(module, "softmax_first_order_norm", counting)
     sens = attention_sensitivity(X, w, score_bound="relaxed", softmax_jacobian=True,
                                  method=VERIFIED)
     assert calls == [3]

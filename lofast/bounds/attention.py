@@ -80,7 +80,6 @@ from lofast.bounds.deflation import LARGE_DEFLATION, Deflation, deflate_gram
 from lofast.bounds.first_order import (
     FirstOrderFactors,
     as_float64,
-    first_order_estimate,
     first_order_factors,
     first_order_gram,
     first_order_negated_gram,
@@ -93,10 +92,8 @@ from lofast.bounds.first_order import (
     verified_reference_norm,
 )
 from lofast.bounds.near_reference import (
-    JacobianData,
-    deflated_first_order_bound,
-    head_deviation_bound,
-    softmax_first_order_bound,
+    SOFTMAX_NEGLIGIBLE,
+    verified_near_reference,
 )
 from lofast.bounds.softmax_terms import (
     probabilities_from_projections,
@@ -110,15 +107,6 @@ from lofast.bounds.spectral import Guarantee, SpectralMethod, matrix_norm_upper
 TIGHT_KAPPA = 0.5
 
 DEFAULT_METHOD = SpectralMethod()  # randomized Lanczos (frozen, safe to share)
-
-# The second-order refinement computes ||D_X|| only where its cheap upper bound exceeds this
-# fraction of zeta (below it, the refinement could change the bound by less than that fraction).
-SOFTMAX_NEGLIGIBLE = 1e-3
-
-# The verified method keeps the deflated bound on the Jacobian's norm (``near_reference``) where
-# it is within this relative slack of its Rayleigh-Ritz estimate, a lower estimate of that norm,
-# which is at most zeta + ||D_X||; elsewhere it computes both of those with Gram matrices.
-JACOBIAN_SLACK = 1e-2
 
 
 @dataclass(frozen=True)
@@ -390,7 +378,7 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
         near = near_reference_first_order_bound(probs, reference, reference_norm.to(device),
                                                 value_weight_norm, deviation)
         if method.kind == "verified" and same_device:
-            zeta, softmax, jacobian = _verified_near_reference(
+            zeta, softmax, jacobian = verified_near_reference(
                 X, probs, x_query, x_key, x_value, x_value_out, score, w, method, near,
                 deviation, softmax)
         elif method.kind == "verified":
@@ -425,81 +413,6 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
                                 kappa=float(kappa), guarantee=guarantee,
                                 failure_probability=failure, softmax_first_order=softmax,
                                 jacobian=jacobian)
-
-
-def _verified_near_reference(X: Tensor, probs: Tensor, x_query: Tensor, x_key: Tensor,
-                             x_value: Tensor, x_value_out: Tensor, score: Tensor,
-                             w: AttentionSpec, method: SpectralMethod, near: Tensor,
-                             deviation: Tensor,
-                             softmax: Tensor | None) -> tuple[Tensor, Tensor | None,
-                                                               Tensor | None]:
-    """zeta, zeta_s and the Jacobian bound (B,) each (the last two None without the
-    refinement) of the verified method, deterministic upper bounds.
-
-    First the bounds near the reference (``bounds.near_reference``): zeta <= ||T_R|| plus the
-    head-structured deviation, and the cheap ||D_X|| bound. Samples where zeta is not within the
-    method's slack of the Rayleigh quotient at ``reference_first_order``'s direction, or where
-    the cheap ||D_X|| is not negligible (SOFTMAX_NEGLIGIBLE), get the deflated bound: on
-    ||T_X + D_X|| with the refinement (which also bounds zeta <= ||T_X + D_X|| + ||D_X||), on
-    ||T_X|| without. Where that bound is not within JACOBIAN_SLACK (with the refinement) or the
-    method's slack (without) of its Rayleigh-Ritz estimate, the deflation of size
-    LARGE_DEFLATION is tried; only where that one is not either, the Kronecker Gram's Cholesky
-    proof (``verified_first_order_norm``) and, with the refinement, the verified ||D_X||
-    follow, as without the near-reference bounds. near: the near-reference bound; deviation
-    (B, h): upper bounds on ||P_l - R_l||; softmax: the product bound on ||D_X|| or None."""
-    n = X.shape[1]
-    f = w.first_order_factors
-    reference_norm, direction = w.reference_first_order
-    query_stacked, key_stacked, value_stacked, output_stacked = w.stacked_norms
-    deviation = head_deviation_bound(deviation, w.weight_norms[1],
-                                     value_stacked * output_stacked)
-    zeta = torch.minimum(near, reference_norm + deviation)
-    query, key = as_float64(w.query), as_float64(w.key)
-    if softmax is not None:
-        # the centred bound only where the product bound is not already negligible
-        rows = softmax > SOFTMAX_NEGLIGIBLE * zeta
-        if bool(rows.any()):
-            softmax[rows] = torch.minimum(softmax[rows], softmax_first_order_bound(
-                X[rows], probs[rows], x_query[rows], key, as_float64(w.value),
-                (query_stacked, key_stacked, output_stacked), w.scale))
-    along = (f.direction / math.sqrt(n)).repeat(n) if direction is None else direction
-    slack = 1.0 + method.relative_slack
-    settled = zeta <= first_order_estimate(probs, f, along, 1).clamp_min(0.0).sqrt() * (
-        slack * f.unit)
-    rows = ~settled
-    if softmax is not None:
-        rows = rows | (softmax > SOFTMAX_NEGLIGIBLE * zeta)
-    jacobian = None if softmax is None else zeta + softmax
-    if not bool(rows.any()):
-        return zeta, softmax, jacobian
-    projections, output = w.jacobian_weights
-    loose = rows.clone()
-    for large in (False, True):  # the larger deflation only for samples the first leaves loose
-        if large and (not bool(loose.any()) or w.deflation(n).size >= LARGE_DEFLATION):
-            break
-        data = JacobianData(probs=probs[loose], x_query=x_query[loose], x_key=x_key[loose],
-                            x_value=x_value[loose], projections=projections, output=output,
-                            residual=1.0 if w.residual else 0.0, scale=float(w.scale))
-        bound, ritz = deflated_first_order_bound(data, w.deflation(n, large), reference_norm,
-                                                 deviation[loose],
-                                                 None if softmax is None else softmax[loose])
-        if softmax is None:
-            zeta[loose] = torch.minimum(zeta[loose], bound)
-            loose[loose.clone()] = ~settled[loose] & ~(zeta[loose] <= ritz * slack)
-        else:
-            # ||T_X|| <= ||T_X + D_X|| + ||D_X||
-            zeta[loose] = torch.minimum(zeta[loose], bound + softmax[loose])
-            jacobian[loose] = torch.minimum(jacobian[loose], bound)
-            loose[loose.clone()] = ~(bound <= ritz * (1.0 + JACOBIAN_SLACK))
-    if bool(loose.any()):
-        zeta[loose] = verified_first_order_norm(probs[loose], f, method, known=zeta[loose],
-                                                along=along)
-        if softmax is not None:
-            softmax[loose] = torch.minimum(softmax[loose], softmax_first_order_norm(
-                probs[loose], x_query[loose], x_key[loose], x_value_out[loose], query, key,
-                score[loose], w.scale, method, None))
-            jacobian[loose] = torch.minimum(jacobian[loose], zeta[loose] + softmax[loose])
-    return zeta, softmax, jacobian
 
 
 def _probabilities(X: Tensor, w: AttentionSpec) -> Tensor:

@@ -22,14 +22,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lofast.bounds.attention import (
-    SOFTMAX_NEGLIGIBLE,
-    TIGHT_KAPPA,
-    AttentionSensitivity,
-    AttentionSpec,
-)
+from lofast.bounds.attention import TIGHT_KAPPA, AttentionSensitivity, AttentionSpec
 from lofast.bounds.first_order import first_order_maps
 from lofast.bounds.krylov import LinearMap, power_iterate
+from lofast.bounds.near_reference import SOFTMAX_NEGLIGIBLE
 from lofast.bounds.softmax_terms import probabilities_from_projections, softmax_first_order_maps
 from lofast.bounds.spectral import Guarantee
 
