@@ -206,6 +206,10 @@ class TrainConfig:
     clean_mix: float = 0.0  # certified: weight of the clean cross-entropy in the loss
     power_iterations: int = 2  # certified: power steps per batch for zeta (warm-started)
     softmax_jacobian: bool = True  # certified: train against the certifier's refined bound
+    # attention reward: a hinge penalty ablation_weight * max(0, ablation_margin - (CE of the
+    # model with every P_l(X) replaced by its batch mean - CE of the model)), in nats; 0: off
+    ablation_margin: float = 0.0
+    ablation_weight: float = 1.0
     augment: bool = True  # random crop (pad 4) and horizontal flip
     seed: int = 0
     amp: bool = True  # bfloat16 autocast on CUDA only
@@ -222,7 +226,8 @@ class TrainConfig:
             raise LofastError(f"seed must be below 2**63, not {self.seed}")
         for name in ("lr", "temperature"):
             _check_positive(name, getattr(self, name))
-        for name in ("weight_decay", "warmup_epochs", "margin", "train_eps", "eps_ramp_epochs"):
+        for name in ("weight_decay", "warmup_epochs", "margin", "train_eps", "eps_ramp_epochs",
+                     "ablation_margin", "ablation_weight"):
             value = getattr(self, name)
             if not _is_real(value) or not math.isfinite(value) or value < 0:
                 raise LofastError(f"{name} must be a finite number >= 0, not {value!r}")

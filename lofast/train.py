@@ -60,6 +60,20 @@ def training_loss(model: LipschitzViT, logits: Tensor, labels: Tensor, config: T
     return loss
 
 
+def attention_reward(model: LipschitzViT, x: Tensor, logits: Tensor, labels: Tensor,
+                     config: TrainConfig) -> Tensor:
+    """max(0, m - (CE_ablated - CE)) for images (B, C, H, W) and their logits (B, K): zero once
+    replacing every block's attention by its mean over the batch (a constant of the step, as
+    ``attention_report`` ablates with the mean over a data set) costs the batch at least m nats
+    of cross-entropy (m = ablation_margin). Certified training otherwise switches attention
+    off, since every unit of input-dependent attention costs radius; this term makes
+    attention that does no work cost loss instead."""
+    ablated = model(x, fixed_attention=model.batch_mean_attention(x)).to(logits.dtype)
+    gap = (F.cross_entropy(ablated / config.temperature, labels)
+           - F.cross_entropy(logits / config.temperature, labels))
+    return torch.relu(config.ablation_margin - gap)
+
+
 def scheduled_eps(config: TrainConfig, progress: float) -> float:
     """Training radius after `progress` epochs: linear ramp from 0 to train_eps."""
     if config.eps_ramp_epochs <= 0:
@@ -136,11 +150,16 @@ class TrainingObjective(nn.Module):
 
     def forward(self, x: Tensor, y: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         radius = None
-        if self.bound is not None:
-            logits, radius = self.bound(self.model, x, eps)
-        else:
-            logits = self.model(x)
-        return training_loss(self.model, logits.float(), y, self.config, radius), logits
+        with self.model.reusing_effective_weights():  # one SVD per capped weight per step
+            if self.bound is not None:
+                logits, radius = self.bound(self.model, x, eps)
+            else:
+                logits = self.model(x)
+            loss = training_loss(self.model, logits.float(), y, self.config, radius)
+            if self.config.ablation_margin > 0:
+                loss = loss + self.config.ablation_weight * attention_reward(
+                    self.model, x, logits.float(), y, self.config)
+        return loss, logits
 
 
 def _distributed() -> bool:

@@ -168,6 +168,14 @@ def test_ablated_forward_equals_fixed_attention_reference(make):
                                            rtol=0, atol=1e-15)
         # the ablation differs from the real model: the test above is not vacuous
         assert (ablated(x) - model(x)).abs().max() > 1e-3
+        # training's ablation (LipschitzViT.forward with fixed attention, the batch's mean on
+        # the model's own activations) is the same model
+        batch_means = model.batch_mean_attention(x)
+        assert sorted(batch_means) == sorted(means)
+        for i in means:
+            torch.testing.assert_close(batch_means[i], means[i], rtol=0, atol=1e-15)
+        torch.testing.assert_close(model(x, fixed_attention=batch_means), expected,
+                                   rtol=0, atol=1e-12)
 
 
 def test_ablation_leaves_model_and_random_stream_alone():

@@ -17,8 +17,9 @@ from lofast.bounds.spectral import SpectralMethod
 from lofast.bounds.stages import radius_maps
 from lofast.certificate import Certifier, CertifySettings
 from lofast.config import TrainConfig, preset
+from lofast.models.layers import Attention
 from lofast.models.vit import create_model
-from lofast.train import head_pair_norms, scheduled_eps, training_loss
+from lofast.train import attention_reward, head_pair_norms, scheduled_eps, training_loss
 from lofast.training_bound import TrainingBound
 
 DENSE = SpectralMethod(kind="dense")
@@ -286,6 +287,55 @@ def test_reusing_effective_weights_changes_nothing():
     with model.reusing_effective_weights():
         reused = model(x)
     assert torch.equal(plain, reused)
+    assert all(s.held is None for s in model.stages if hasattr(s, "held"))
+
+
+def reward_model(score_scale):
+    """small_model with uncapped Wq, Wk scaled by score_scale (0: attention switched off)."""
+    config = preset("tiny", num_classes=5, query_key_cap=None)
+    model = create_model(config, seed=0).double()
+    with torch.no_grad():
+        for stage in model.stages:
+            if isinstance(stage, Attention):
+                stage.weights["query"].mul_(score_scale)
+                stage.weights["key"].mul_(score_scale)
+    return model
+
+
+def test_attention_reward_is_the_margin_where_attention_is_dead():
+    model = reward_model(0.0)
+    x, y = images(16), torch.arange(16) % 5
+    config = TrainConfig(ablation_margin=0.5)
+    # every P_l(X) is the same matrix: the ablation changes nothing, the penalty is m
+    assert attention_reward(model, x, model(x), y, config).item() == pytest.approx(0.5, abs=1e-12)
+
+
+def test_attention_reward_measures_the_ablation_gap_and_can_be_learned():
+    model = reward_model(6.0)
+    x, y = images(16), torch.arange(16) % 5
+    config = TrainConfig(ablation_margin=10.0, temperature=0.5)
+    ce = torch.nn.functional.cross_entropy
+    with torch.no_grad():
+        means = model.batch_mean_attention(x)
+        gap = ce(model(x, fixed_attention=means) / 0.5, y) - ce(model(x) / 0.5, y)
+    reward = attention_reward(model, x, model(x), y, config)
+    assert reward.item() == pytest.approx(10.0 - gap.item(), rel=1e-12)
+    assert abs(gap.item()) > 1e-4  # live attention: the ablation does change the loss
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(10):  # the penalty alone, minimised: the gap grows
+        optimizer.zero_grad()
+        attention_reward(model, x, model(x), y, config).backward()
+        optimizer.step()
+    assert attention_reward(model, x, model(x), y, config).item() < reward.item() - 0.1
+
+
+def test_reusing_effective_weights_is_reentrant():
+    model = small_model()
+    with model.reusing_effective_weights():
+        held = [s.held for s in model.stages if hasattr(s, "held")]
+        with model.reusing_effective_weights():
+            pass
+        assert [s.held for s in model.stages if hasattr(s, "held")] == held
     assert all(s.held is None for s in model.stages if hasattr(s, "held"))
 
 

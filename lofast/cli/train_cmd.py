@@ -82,6 +82,12 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
 @click.option("--softmax-jacobian/--no-softmax-jacobian", default=True, show_default=True,
               help="--loss certified: include the second-order refinement of the softmax term "
                    "(as `lofast certify` does by default); one more power iteration per block.")
+@click.option("--ablation-margin", type=float, default=0.0, show_default=True,
+              help="Attention reward: a hinge penalty until replacing every block's attention "
+                   "by its batch mean raises the cross-entropy by this many nats (0: off). "
+                   "Keeps certified training from switching attention off.")
+@click.option("--ablation-weight", type=float, default=1.0, show_default=True,
+              help="Weight of the --ablation-margin penalty in the loss.")
 @click.option("--temperature", type=float, default=1.0, show_default=True)
 @click.option("--augment/--no-augment", default=True, show_default=True,
               help="Random crop and horizontal flip. The small presets underfit CIFAR-10 "
@@ -107,7 +113,8 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
                    "not write in this run or the run it resumes).")
 def train(dataset, data_path, download, preset, model_options, init_path, epochs, batch_size, lr,
           weight_decay, warmup_epochs, schedule, loss, margin, train_eps, eps_ramp_epochs,
-          clean_mix, power_iterations, softmax_jacobian, temperature, augment, seed, device, amp,
+          clean_mix, power_iterations, softmax_jacobian, ablation_margin, ablation_weight,
+          temperature, augment, seed, device, amp,
           limit, out, resume, time_limit, overwrite) -> None:
     """Train a Lipschitz ViT on a data set and save it as a checkpoint."""
     import torch
@@ -147,7 +154,8 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
                          warmup_epochs=warmup_epochs, schedule=schedule, loss=loss,
                          margin=margin, train_eps=train_eps, eps_ramp_epochs=eps_ramp_epochs,
                          clean_mix=clean_mix, power_iterations=power_iterations,
-                         softmax_jacobian=softmax_jacobian,
+                         softmax_jacobian=softmax_jacobian, ablation_margin=ablation_margin,
+                         ablation_weight=ablation_weight,
                          temperature=temperature, augment=augment, seed=seed, amp=amp)
     train_set = load_dataset(data_path, "train", dataset, download=download)
     test_set = load_dataset(data_path, "test", dataset)

@@ -187,15 +187,22 @@ class Attention(HoldsCappedWeights, nn.Module):
         b, n, _ = x.shape
         return x.reshape(b, n, self.heads, self.head_dim).transpose(1, 2)  # (B, h, n, dh)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def probabilities(self, x: Tensor) -> Tensor:
+        """P_l(X) (B, h, n, n) for tokens x (B, n, d)."""
         w = self.effective_weights()
         q = self._split_heads(x @ w["query"])
         k = self._split_heads(x @ w["key"])
-        v = self._split_heads(x @ w["value"])
         scores = q @ k.transpose(-1, -2) / self.scale  # (B, h, n, n)
         if self.position_bias is not None:
             scores = scores + self.position_bias
-        probs = torch.softmax(scores, dim=-1)
+        return torch.softmax(scores, dim=-1)
+
+    def forward(self, x: Tensor, fixed_probabilities: Tensor | None = None) -> Tensor:
+        """x (B, n, d) -> (B, n, d); with ``fixed_probabilities`` (h, n, n), rows summing to
+        1, those replace P_l(X) for every sample (the attention ablation)."""
+        w = self.effective_weights()
+        v = self._split_heads(x @ w["value"])
+        probs = self.probabilities(x) if fixed_probabilities is None else fixed_probabilities
         mixed = (probs @ v).transpose(1, 2).reshape(x.shape)
         return x + mixed @ w["output"]
 

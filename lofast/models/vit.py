@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -55,11 +55,26 @@ class LipschitzViT(nn.Module):
         stages.append(Pool(c.pool, c.num_tokens))
         stages.append(NormalizedHead(c.width, c.num_classes))
         self.stages = nn.ModuleList(stages)
+        self._reusing = False  # inside reusing_effective_weights
 
-    def forward(self, x: Tensor) -> Tensor:
-        for stage in self.stages:
-            x = stage(x)
+    def forward(self, x: Tensor, fixed_attention: Mapping[int, Tensor] | None = None) -> Tensor:
+        """Logits (B, num_classes). ``fixed_attention`` maps attention stage indices to
+        row-stochastic (h, n, n) matrices that replace those stages' P_l(X) (the ablation)."""
+        for i, stage in enumerate(self.stages):
+            fixed = None if fixed_attention is None else fixed_attention.get(i)
+            x = stage(x) if fixed is None else stage(x, fixed)
         return x
+
+    @torch.no_grad()
+    def batch_mean_attention(self, x: Tensor) -> dict[int, Tensor]:
+        """The mean of P_l(X) over the images x (B, C, H, W), (h, n, n) per attention stage,
+        each P_l on the model's own input to its block; no gradients."""
+        means = {}
+        for i, stage in enumerate(self.stages):
+            if isinstance(stage, Attention):
+                means[i] = stage.probabilities(x).mean(dim=0)
+            x = stage(x)
+        return means
 
     def forward_with_activations(self, x: Tensor) -> tuple[Tensor, list[Tensor]]:
         """Logits and the list of clean stage inputs (stage k's input is element k)."""
@@ -73,12 +88,18 @@ class LipschitzViT(nn.Module):
     def reusing_effective_weights(self) -> Iterator[None]:
         """Within the block, the capped stages (patch embedding, attention) compute their
         effective weights (an SVD each) once and reuse them, for a training step that evaluates
-        them twice (forward pass and training bound). The weights must not change inside."""
+        them twice (forward pass and training bound). The weights must not change inside.
+        Re-entrant: an inner block reuses the outer block's weights and releases nothing."""
+        if self._reusing:
+            yield
+            return
+        self._reusing = True
         self.hold_effective_weights(True)
         try:
             yield
         finally:
             self.hold_effective_weights(False)
+            self._reusing = False
 
     def hold_effective_weights(self, hold: bool) -> None:
         """hold=True: from now on the capped stages reuse their current effective weights, for
