@@ -510,6 +510,29 @@ def test_damaged_archive(folder, tmp_path, damage):
     assert str(path) in _message(excinfo)
 
 
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
+def test_archive_cut_anywhere_is_refused(folder, tmp_path, suffix):
+    # tarfile alone reads an archive cut at (or inside) a header block as a smaller valid one,
+    # and its gzip reader ignores a missing trailer: cut at every block boundary and at points
+    # between them, none may load
+    root, expected, _ = folder
+    data = _tar(root, tmp_path / f"a{suffix}").read_bytes()
+    assert np.array_equal(load_dataset(tmp_path / f"a{suffix}", "test").images, expected)
+    if suffix == ".tar":  # up to the first zero block after the last member (the rest pads)
+        with tarfile.open(tmp_path / "a.tar") as tar:
+            last = tar.getmembers()[-1]
+        end = last.offset_data + -(-last.size // 512) * 512
+        cuts = sorted(set(range(512, end + 512, 512)) | {end + 100, end + 511, 700})
+    else:  # anywhere: the gzip trailer counts too
+        cuts = sorted(set(range(97, len(data), 97)) | {len(data) - 1, len(data) - 8})
+    assert len(cuts) > 10
+    for cut in cuts:
+        path = tmp_path / f"cut{suffix}"
+        path.write_bytes(data[:cut])
+        with pytest.raises(DataError, match="corrupt or truncated archive"):
+            load_dataset(path, "test")
+
+
 def test_truncated_cifar_archive(cifar, tmp_path):
     folder, _ = cifar
     data = _tar(folder, tmp_path / "cifar-10-python.tar.gz").read_bytes()

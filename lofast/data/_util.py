@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import tarfile
 import zlib
+from collections.abc import Iterator
 
 # What reading a damaged tar or gzip stream can raise: tarfile.ReadError for bad headers,
 # EOFError for a gzip stream cut short, zlib.error for bad deflate data, OSError (BadGzipFile)
@@ -11,6 +14,7 @@ import zlib
 ARCHIVE_ERRORS = (tarfile.TarError, EOFError, zlib.error, OSError)
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 def reason(exc: BaseException) -> str:
@@ -23,6 +27,58 @@ def is_tar_name(name: str) -> bool:
     return name.lower().endswith(TAR_SUFFIXES)
 
 
-def open_tar_stream(path) -> tarfile.TarFile:
-    """Open a tar or tar.gz for one sequential pass (stream mode: no seeking back, no index)."""
-    return tarfile.open(path, mode="r|*")
+@contextlib.contextmanager
+def open_tar_stream(path) -> Iterator[TarStream]:
+    """Open a tar or tar.gz for one sequential pass (stream mode: no seeking back, no index).
+    A pass that reaches the end checks that the archive is whole (``TarStream``)."""
+    with open(path, "rb") as raw:
+        gzipped = raw.read(2) == GZIP_MAGIC
+        raw.seek(0)
+        # gzip.GzipFile, unlike tarfile's own gzip reader, fails on a stream cut short and
+        # checks the CRC and length in the stream's trailer
+        source = _CountingReader(gzip.GzipFile(fileobj=raw, mode="rb") if gzipped else raw)
+        with tarfile.open(fileobj=source, mode="r|") as tar:
+            yield TarStream(tar, source)
+
+
+class TarStream:
+    """Members of a tar read in one pass: ``for member in stream`` and ``extractfile(member)``.
+
+    tarfile ends a pass without an error where the data stops at or inside a header block, so
+    an archive cut at a member boundary would read as a smaller, valid one (and tarfile's gzip
+    reader ignores a missing gzip trailer). After the last member this pass therefore reads
+    the rest of the archive and requires the end-of-archive block, a zero block where the next
+    header would be, and (through ``gzip.GzipFile``) a complete gzip stream; otherwise it
+    raises ``tarfile.ReadError`` or ``EOFError``.
+    """
+
+    def __init__(self, tar: tarfile.TarFile, source: _CountingReader) -> None:
+        self._tar = tar
+        self._source = source
+
+    def __iter__(self) -> Iterator[tarfile.TarInfo]:
+        yield from self._tar
+        end = self._tar.offset  # where the end-of-archive block begins
+        self._source.read_to_end()  # raises for a gzip stream cut short or a bad CRC
+        if self._source.count < end + tarfile.BLOCKSIZE:
+            raise tarfile.ReadError("the archive ends without its end-of-archive block")
+
+    def extractfile(self, member: tarfile.TarInfo):
+        return self._tar.extractfile(member)
+
+
+class _CountingReader:
+    """A binary stream that counts the bytes read from it."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self.count = 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._stream.read(size)
+        self.count += len(data)
+        return data
+
+    def read_to_end(self) -> None:
+        while self.read(1 << 16):
+            pass
