@@ -2,6 +2,8 @@
 as test_cli.py does for a trained checkpoint): a small image folder of four colour classes, an
 untrained tiny checkpoint for it, and one data cache outside the folders tests watch."""
 
+import os
+
 import pytest
 import torch
 from helpers import write_image_folder
@@ -9,6 +11,9 @@ from helpers import write_image_folder
 from lofast.checkpoint import save_checkpoint
 from lofast.config import preset
 from lofast.models.vit import create_model
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: one core per worker process
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
