@@ -23,18 +23,18 @@ from lofast.bounds.spectral import (
     weakest_guarantee,
 )
 from lofast.bounds.stages import EmbedSpec, HeadSpec, check_stage, radius_maps
-from lofast.config import BOUNDS, CERTIFY_DEFAULTS, GUARANTEES, KAPPAS
+from lofast.config import CERTIFY_DEFAULTS, GUARANTEES, KAPPAS, Bound
 from lofast.errors import CertificationError
 from lofast.models.vit import LipschitzViT
 
 # Each bound's first-order term and score term; "lofast" is the paper's practical bound
 # delta_2^(2), "lofast-tight" its delta_2^(1), "naive" the first-order term of eq. (12).
 BOUND_TERMS = {
-    "lofast": ("lofast", "relaxed"),
-    "lofast-tight": ("lofast", "exact"),
-    "naive": ("naive", "relaxed"),
+    Bound.LOFAST: ("lofast", "relaxed"),
+    Bound.LOFAST_TIGHT: ("lofast", "exact"),
+    Bound.NAIVE: ("naive", "relaxed"),
 }
-assert tuple(BOUND_TERMS) == BOUNDS
+assert tuple(BOUND_TERMS) == tuple(Bound)
 
 
 def guarantee_name(method: SpectralMethod) -> str:
@@ -50,7 +50,7 @@ class CertifySettings:
     spectral method; a ``method`` given instead (e.g. dense norms in tests) sets the guarantee.
     """
 
-    bound: str = CERTIFY_DEFAULTS.bound
+    bound: Bound = CERTIFY_DEFAULTS.bound
     kappa: float = CERTIFY_DEFAULTS.kappa
     guarantee: str | None = None  # None: the method's, else CERTIFY_DEFAULTS.guarantee
     method: SpectralMethod | None = None  # None: the guarantee's (config.GUARANTEES)
@@ -59,8 +59,7 @@ class CertifySettings:
     seed: int = CERTIFY_DEFAULTS.seed
 
     def __post_init__(self) -> None:
-        if self.bound not in BOUND_TERMS:
-            raise CertificationError(f"unknown bound {self.bound!r}; choose from {', '.join(BOUNDS)}")
+        object.__setattr__(self, "bound", Bound.parse("bound", self.bound, CertificationError))
         if self.kappa not in KAPPAS:
             raise CertificationError("kappa must be 0.5 (tight) or 1 (the paper's)")
         if self.guarantee is not None and self.guarantee not in GUARANTEES:

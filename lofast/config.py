@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 from dataclasses import dataclass
@@ -10,11 +11,62 @@ from typing import Any
 
 from lofast.errors import LofastError
 
+
+class Choice(str, enum.Enum):
+    """An option with a fixed set of names. A member equals, hashes and prints as its name, so
+    JSON, checkpoint metadata and the command line keep the plain string."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, field: str, value: Any, error: type[LofastError] = LofastError) -> Choice:
+        """The member named ``value``, else one clear error naming ``field`` and the choices."""
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(repr(m.value) for m in cls)
+            raise error(f"{field} must be one of {names}, not {value!r}") from None
+
+
+class Pooling(Choice):
+    MEAN = "mean"  # the mean over all tokens, 1/sqrt(n)-Lipschitz
+    CLASS_TOKEN = "cls"
+
+
+class QueryKey(Choice):
+    LEARNED = "learned"  # capped Wq, Wk
+    IDENTITY = "identity"  # Wq = Wk = I: each head compares the coordinates it owns
+
+
+class Loss(Choice):
+    CE = "ce"
+    MARGIN = "margin"  # Lipschitz-margin cross-entropy (Tsuzuku et al. 2018)
+    CERTIFIED = "certified"  # cross-entropy on logits worsened by the LoFAST training bound
+
+
+class Schedule(Choice):
+    COSINE = "cosine"
+    CONSTANT = "constant"
+
+
+class Bound(Choice):
+    LOFAST = "lofast"  # the paper's practical bound delta_2^(2)
+    LOFAST_TIGHT = "lofast-tight"  # its delta_2^(1)
+    NAIVE = "naive"  # the first-order term of the paper's eq. (12)
+
+
+def plain_dict(config: Any) -> dict[str, Any]:
+    """A dataclass as a dict of plain values (a Choice becomes its name): for files that must
+    hold plain data only, such as the training state read with ``weights_only``."""
+    return dataclasses.asdict(config, dict_factory=lambda items: {
+        k: v.value if isinstance(v, Choice) else v for k, v in items})
+
 # Certification: the names users choose, read by the library (``certificate.CertifySettings``) and
 # the CLI alike. A guarantee says what every norm in a certificate is (``bounds.spectral.
 # Guarantee`` has the same values) and names the spectral method that delivers it.
 GUARANTEES = {"exact": "verified", "probabilistic": "lanczos", "estimate": "power"}
-BOUNDS = ("lofast", "lofast-tight", "naive")  # see ``certificate.BOUND_TERMS``
+BOUNDS = tuple(b.value for b in Bound)  # see ``certificate.BOUND_TERMS``
 KAPPAS = (0.5, 1.0)  # softmax Lipschitz constants: 1/2 is tight and sound, 1 is the paper's
 
 
@@ -23,7 +75,7 @@ class CertifyDefaults:
     """What ``lofast certify`` and ``certificate.Certifier`` do when not told otherwise."""
 
     guarantee: str = "exact"
-    bound: str = "lofast"
+    bound: Bound = Bound.LOFAST
     kappa: float = 0.5
     softmax_jacobian: bool = True  # the second-order refinement of ``bounds.attention``
     local_projection: bool = True  # LayerProject's local contraction (else 1-Lipschitz)
@@ -72,7 +124,7 @@ class ModelConfig:
     attn_radius: float = 1.0  # LayerProject radius of the stream entering every attention block
     mlp_radius: float | None = None  # LayerProject before every SLL layer (None: none)
     final_radius: float | None = 1.0  # LayerProject before pooling (None: none)
-    pool: str = "mean"  # "mean" over tokens (1/sqrt(n)-Lipschitz) or "cls"
+    pool: Pooling = Pooling.MEAN
     input_center: float = 0.5  # x - c is an isometry; no std division (it would scale L)
     # A learned (heads, n, n) bias added to every attention block's scores. It does not depend
     # on the input, so it adds nothing to the softmax terms of the bound; zeta is taken around
@@ -81,9 +133,9 @@ class ModelConfig:
     # Fix every head's ||Wq_l Wk_l^T|| at this value (None: only capped, which lets certified
     # training drive the scores, and with them input-dependent attention, to zero).
     score_norm: float | None = None
-    # "learned" Wq, Wk, or "identity": Wq = Wk = I, each head's scores the dot products of the
-    # tokens' coordinates it owns (no learned direction can make the scores constant)
-    query_key: str = "learned"
+    # Wq = Wk = I (identity): each head's scores are the dot products of the tokens'
+    # coordinates it owns (no learned direction can make the scores constant)
+    query_key: QueryKey = QueryKey.LEARNED
     # Fix every head's ||Wv_l Wo_l|| at this value (None: only capped, which lets training switch
     # attention off by shrinking what it mixes in).
     value_norm: float | None = None
@@ -104,10 +156,9 @@ class ModelConfig:
                 _check_positive(name, getattr(self, name))
         if not _is_real(self.input_center) or not math.isfinite(self.input_center):
             raise LofastError(f"input_center must be a finite number, not {self.input_center!r}")
-        if self.pool not in ("mean", "cls"):
-            raise LofastError(f"pool must be 'mean' or 'cls', not {self.pool!r}")
-        if self.query_key not in ("learned", "identity"):
-            raise LofastError(f"query_key must be 'learned' or 'identity', not {self.query_key!r}")
+        # frozen: the names read from a file become their members once, here
+        object.__setattr__(self, "pool", Pooling.parse("pool", self.pool))
+        object.__setattr__(self, "query_key", QueryKey.parse("query_key", self.query_key))
         if self.live_blocks is not None:
             _check_int("live_blocks", self.live_blocks, minimum=1)
             if self.live_blocks > self.depth:
@@ -133,7 +184,7 @@ class ModelConfig:
         embed = d * self.channels * self.patch_size**2 + d + self.num_patches * d + d
         bias = self.heads * n * n if self.position_bias else 0
         block = 4 * d * d + bias + d * hidden + 2 * hidden
-        identity = 0 if self.query_key == "learned" else sum(not self.learned_query_key(b)
+        identity = 0 if self.query_key is QueryKey.LEARNED else sum(not self.learned_query_key(b)
                                                             for b in range(self.depth))
         return embed + self.depth * block - identity * 2 * d * d + self.num_classes * (d + 1)
 
@@ -142,7 +193,7 @@ class ModelConfig:
         return self.live_blocks is None or block >= self.depth - self.live_blocks
 
     def learned_query_key(self, block: int) -> bool:
-        return self.query_key == "learned" or not self.is_live(block)
+        return self.query_key is QueryKey.LEARNED or not self.is_live(block)
 
     @property
     def num_patches(self) -> int:
@@ -153,7 +204,7 @@ class ModelConfig:
         return self.num_patches + 1  # the class token
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return json.dumps(plain_dict(self), sort_keys=True)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
@@ -197,8 +248,8 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup_epochs: float = 1.0
-    schedule: str = "cosine"  # "cosine" or "constant" (after warm-up)
-    loss: str = "ce"  # "ce", "margin" (Lipschitz margin, Tsuzuku et al. 2018) or "certified"
+    schedule: Schedule = Schedule.COSINE  # after warm-up
+    loss: Loss = Loss.CE
     margin: float = 0.0  # margin in head-feature units; logit j != y is raised by margin*||w_y - w_j||
     temperature: float = 1.0  # logits are divided by this before cross-entropy
     train_eps: float = 0.0  # certified: image radius whose LoFAST bound raises the logits
@@ -215,10 +266,8 @@ class TrainConfig:
     amp: bool = True  # bfloat16 autocast on CUDA only
 
     def __post_init__(self) -> None:
-        if self.loss not in ("ce", "margin", "certified"):
-            raise LofastError(f"loss must be 'ce', 'margin' or 'certified', not {self.loss!r}")
-        if self.schedule not in ("cosine", "constant"):
-            raise LofastError(f"schedule must be 'cosine' or 'constant', not {self.schedule!r}")
+        object.__setattr__(self, "loss", Loss.parse("loss", self.loss))
+        object.__setattr__(self, "schedule", Schedule.parse("schedule", self.schedule))
         for name in ("epochs", "batch_size", "power_iterations"):
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("seed", self.seed, minimum=0)
@@ -231,7 +280,7 @@ class TrainConfig:
             value = getattr(self, name)
             if not _is_real(value) or not math.isfinite(value) or value < 0:
                 raise LofastError(f"{name} must be a finite number >= 0, not {value!r}")
-        if self.loss == "certified" and not self.train_eps > 0:
+        if self.loss is Loss.CERTIFIED and not self.train_eps > 0:
             raise LofastError("--loss certified needs a positive --train-eps")
         if not _is_real(self.clean_mix) or not 0.0 <= self.clean_mix <= 1.0:
             raise LofastError("clean mix must lie in [0, 1]")

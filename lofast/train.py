@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lofast.config import TrainConfig
+from lofast.config import Loss, Schedule, TrainConfig, plain_dict
 from lofast.errors import LofastError, TimeLimitReached
 from lofast.files import atomic_write
 from lofast.models.vit import LipschitzViT
@@ -48,13 +48,14 @@ def training_loss(model: LipschitzViT, logits: Tensor, labels: Tensor, config: T
     amount the head certificate subtracts for a pooled-feature radius r: r = margin for the
     Lipschitz-margin loss, r = the per-sample LoFAST training bound (B,) for the certified loss
     (mixed with clean cross-entropy by clean_mix)."""
-    offset = {"ce": None, "margin": config.margin if config.margin > 0 else None,
-              "certified": None if feature_radius is None else feature_radius[:, None]}[config.loss]
+    offset = {Loss.CE: None, Loss.MARGIN: config.margin if config.margin > 0 else None,
+              Loss.CERTIFIED: None if feature_radius is None else feature_radius[:, None]
+              }[config.loss]
     if offset is None:
         return F.cross_entropy(logits / config.temperature, labels)
     raised = logits + offset * head_pair_norms(model, labels)
     loss = F.cross_entropy(raised / config.temperature, labels)
-    if config.loss == "certified" and config.clean_mix > 0:
+    if config.loss is Loss.CERTIFIED and config.clean_mix > 0:
         clean = F.cross_entropy(logits / config.temperature, labels)
         loss = (1.0 - config.clean_mix) * loss + config.clean_mix * clean
     return loss
@@ -184,10 +185,10 @@ def training_step(objective: nn.Module, optimizer: torch.optim.Optimizer, x: Ten
     return loss.detach(), logits
 
 
-def _lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
+def _lr_factor(step: int, total: int, warmup: int, schedule: Schedule) -> float:
     if step < warmup:
         return (step + 1) / warmup
-    if schedule == "constant":
+    if schedule is Schedule.CONSTANT:
         return 1.0
     progress = (step - warmup) / max(total - warmup, 1)
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
@@ -226,7 +227,7 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
     partial = None  # where a run stopped inside an epoch: its order, next step and sums
     if resume and state_path is not None and state_path.is_file():
         state = load_training_state(state_path)
-        if state["train_config"] != asdict(config):
+        if state["train_config"] != plain_dict(config):
             raise LofastError(f"{state_path}: the training settings differ from this run's; "
                               "resume with the same options")
         saved_plan = state.get("plan") or {}
@@ -249,7 +250,7 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
         partial = state.get("partial")
     bound = TrainingBound(config.power_iterations, softmax_jacobian=config.softmax_jacobian,
                           generator=generator) \
-        if config.loss == "certified" else None
+        if config.loss is Loss.CERTIFIED else None
     if bound is not None and state is not None:
         bound.load_state(state.get("bound", {}), device)
     objective: nn.Module = TrainingObjective(model, config, bound)
@@ -365,7 +366,7 @@ def save_training_state(path: Path, model: LipschitzViT, optimizer: torch.optim.
         "scheduler": scheduler.state_dict(),
         "generator": generator.get_state(),
         "epoch": epoch,
-        "train_config": asdict(config),
+        "train_config": plain_dict(config),
         "history": [asdict(h) for h in history],
     }
     atomic_write(path, lambda tmp: torch.save(state, tmp))

@@ -268,3 +268,28 @@ def test_value_norm_and_live_blocks_fix_the_last_blocks_attention():
     assert config.parameter_count() == sum(p.numel() for p in model.parameters())
     with pytest.raises(LofastError, match="live_blocks"):
         preset("tiny", live_blocks=3)
+
+
+def test_option_kinds_are_enums_read_and_written_as_their_names():
+    import json
+
+    from lofast.certificate import CertifySettings
+    from lofast.config import Bound, Loss, ModelConfig, Pooling, QueryKey, TrainConfig, plain_dict
+    from lofast.errors import CertificationError
+
+    config = preset("tiny", pool="cls", query_key="identity", score_norm=2.0)
+    assert config.pool is Pooling.CLASS_TOKEN and config.query_key is QueryKey.IDENTITY
+    written = json.loads(config.to_json())
+    assert written["pool"] == "cls" and type(written["pool"]) is str
+    assert ModelConfig.from_dict(written) == config
+    with pytest.raises(LofastError, match="pool must be one of 'mean', 'cls', not 'max'"):
+        preset("tiny", pool="max")
+    train = TrainConfig(loss="certified", train_eps=0.1, schedule="constant")
+    assert train.loss is Loss.CERTIFIED
+    assert all(type(v) is not Loss for v in plain_dict(train).values())  # the saved state
+    assert plain_dict(train)["loss"] == "certified"
+    with pytest.raises(LofastError, match="loss must be one of 'ce', 'margin', 'certified'"):
+        TrainConfig(loss="hinge")
+    assert CertifySettings(bound="lofast-tight").bound is Bound.LOFAST_TIGHT
+    with pytest.raises(CertificationError, match="bound must be one of"):
+        CertifySettings(bound="tight")

@@ -67,7 +67,7 @@ class Shard(click.ParamType):
               help="Samples certified together (default: 16 on CPU, where larger batches ran "
                    "slower per sample in benchmarks/bench_certify.py, 256 on GPU).")
 @click.option("--device", default="auto", show_default=True)
-@click.option("--bound", type=click.Choice(BOUNDS), default=CERTIFY_DEFAULTS.bound,
+@click.option("--bound", type=click.Choice(BOUNDS), default=CERTIFY_DEFAULTS.bound.value,
               show_default=True,
               help="lofast: Theorem 1 with xi (delta_2^(2)); lofast-tight: with ||M_l|| "
                    "(delta_2^(1)); naive: eq. (12) first-order term.")

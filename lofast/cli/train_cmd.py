@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from lofast.cli.console import stderr as console
+from lofast.config import Loss, Schedule
 
 # Exit code of a run stopped by --time-limit (EX_TEMPFAIL): not done, nothing wrong, resumable.
 EXIT_TIME_LIMIT = 75
@@ -60,9 +61,9 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
 @click.option("--lr", type=float, default=1e-3, show_default=True)
 @click.option("--weight-decay", type=float, default=0.0, show_default=True)
 @click.option("--warmup-epochs", type=float, default=1.0, show_default=True)
-@click.option("--schedule", type=click.Choice(["cosine", "constant"]), default="cosine",
+@click.option("--schedule", type=click.Choice([s.value for s in Schedule]), default="cosine",
               show_default=True)
-@click.option("--loss", type=click.Choice(["ce", "margin", "certified"]), default="ce",
+@click.option("--loss", type=click.Choice([loss.value for loss in Loss]), default="ce",
               show_default=True,
               help="margin: Lipschitz-margin cross-entropy (a fixed feature-space margin). "
                    "certified: cross-entropy on logits worsened by the LoFAST bound at "

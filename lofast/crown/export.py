@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lofast.config import Pooling
 from lofast.errors import LofastError
 from lofast.models.layers import SLL, Attention, LayerProject, NormalizedHead, PatchEmbed, Pool
 from lofast.models.vit import LipschitzViT
@@ -132,7 +133,7 @@ class PlainPool(nn.Module):
         self.kind = stage.kind
 
     def forward(self, x: Tensor) -> Tensor:
-        return x.mean(dim=1) if self.kind == "mean" else x[:, 0]
+        return x.mean(dim=1) if self.kind is Pooling.MEAN else x[:, 0]
 
 
 class PlainHead(nn.Module):

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from lofast.bounds.attention import AttentionSpec
 from lofast.bounds.stages import EmbedSpec, HeadSpec, PoolSpec, ProjectSpec, SLLSpec
+from lofast.config import Pooling
 from lofast.errors import LofastError
 
 # SLL's rescaling t is inflated by this factor so that diag(t) - W^T W stays positive
@@ -259,15 +260,13 @@ class SLL(nn.Module):
 class Pool(nn.Module):
     """Tokens (B, n, d) -> (B, d): mean over tokens or the class token."""
 
-    def __init__(self, kind: str, num_tokens: int) -> None:
+    def __init__(self, kind: Pooling | str, num_tokens: int) -> None:
         super().__init__()
-        if kind not in ("mean", "cls"):
-            raise LofastError(f"pool must be 'mean' or 'cls', not {kind!r}")
-        self.kind = kind
+        self.kind = Pooling.parse("pool", kind)
         self.num_tokens = num_tokens
 
     def forward(self, x: Tensor) -> Tensor:
-        return x.mean(dim=1) if self.kind == "mean" else x[:, 0]
+        return x.mean(dim=1) if self.kind is Pooling.MEAN else x[:, 0]
 
     def spec(self, differentiable: bool = False) -> PoolSpec:
         return PoolSpec(kind=self.kind, num_tokens=self.num_tokens)

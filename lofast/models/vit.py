@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from lofast.bounds.stages import StageSpec
-from lofast.config import ModelConfig
+from lofast.config import ModelConfig, QueryKey
 from lofast.errors import LofastError
 from lofast.models.layers import (
     SLL,
@@ -133,7 +133,7 @@ def with_options(model: LipschitzViT, **changes) -> LipschitzViT:
     head's value path to that norm; live_blocks limits these to the last blocks."""
     unknown = sorted(set(changes) - set(INIT_OPTIONS))
     if (unknown or changes.get("position_bias", True) is not True
-            or changes.get("query_key", "identity") != "identity"):
+            or changes.get("query_key", QueryKey.IDENTITY) != QueryKey.IDENTITY):
         raise LofastError(f"a trained model can take on only: "
                           f"{', '.join(f'{k} ({v})' for k, v in INIT_OPTIONS.items())}")
     like = next(model.parameters())
