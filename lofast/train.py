@@ -163,22 +163,22 @@ class TrainingObjective(nn.Module):
         return loss, logits
 
 
+# Steps between host synchronisations of the training loop (loss, accuracy, divergence, the
+# progress shown); also at the first and last step of an epoch.
+SYNC_STEPS = 10
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
 def training_step(objective: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor,
                   eps: float, use_amp: bool) -> tuple[Tensor, Tensor]:
-    """One optimisation step on a batch (B, C, H, W); returns the loss and the clean logits.
-    A loss that is non-finite (on any process, when several train together) is returned as
-    NaN without updating the weights, so that every process stops at the same step."""
+    """One optimisation step on a batch (B, C, H, W); returns the loss (detached, on the
+    device) and the clean logits. No host synchronisation: the caller checks the loss for
+    divergence every SYNC_STEPS steps (a non-finite loss leaves non-finite weights behind)."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=use_amp):
         loss, logits = objective(x, y, eps)
-    finite = torch.isfinite(loss.detach()).float()
-    if _distributed():
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-    if not finite:
-        return torch.full_like(loss.detach(), math.nan), logits
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -275,6 +275,9 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
             order, first_step = partial["order"], partial["step"]
             loss_sum, correct, seen = partial["loss_sum"], partial["correct"], partial["seen"]
             before, partial = partial["seconds"], None
+        # this process's loss and correct predictions summed on the device, read every
+        # SYNC_STEPS steps: a host synchronisation per step would stall a GPU
+        sums = torch.tensor([loss_sum, correct], dtype=torch.float64, device=device)
         started = time.perf_counter() - before
         for step in range(first_step, steps_per_epoch):
             # one global batch per step whatever the number of processes; each takes every
@@ -291,19 +294,21 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
             except torch.linalg.LinAlgError:  # the spectral caps' SVD of non-finite weights
                 raise LofastError(f"training diverged at epoch {epoch + 1} (non-finite weights); "
                                   "lower the learning rate") from None
-            if not torch.isfinite(loss):
-                raise LofastError(f"training diverged at epoch {epoch + 1} (loss {loss.item()}); "
-                                  "lower the learning rate")
             scheduler.step()
-            loss_sum += loss.item() * len(y)
-            correct += (logits.argmax(dim=1) == y).sum().item()
+            sums += torch.stack([loss.double() * len(y),
+                                 (logits.argmax(dim=1) == y).sum().double()])
             seen += len(y)
-            if on_step is not None:
-                on_step(StepStats(epoch + 1, step + 1, steps_per_epoch, loss_sum / seen,
-                                  correct / seen, world * seen / (time.perf_counter() - started)))
-            if (_past(deadline) and step + 1 < steps_per_epoch):
+            stopping = _past(deadline) and step + 1 < steps_per_epoch
+            if (stopping or step == first_step or (step + 1) % SYNC_STEPS == 0
+                    or step + 1 == steps_per_epoch):
+                loss_sum, correct = _checked_sums(sums, epoch)
+                if on_step is not None:
+                    on_step(StepStats(epoch + 1, step + 1, steps_per_epoch, loss_sum / seen,
+                                      correct / seen,
+                                      world * seen / (time.perf_counter() - started)))
+            if stopping:
                 stopped = {"order": order, "step": step + 1, "loss_sum": loss_sum,
-                           "correct": correct, "seen": seen,
+                           "correct": int(correct), "seen": seen,
                            "seconds": time.perf_counter() - started}
                 if state_path is not None and rank == 0:
                     save_training_state(state_path, model, optimizer, scheduler, generator,
@@ -327,6 +332,19 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
             raise TimeLimitReached(f"epoch {epoch + 1} of {config.epochs}")
     model.eval()
     return history
+
+
+def _checked_sums(sums: Tensor, epoch: int) -> tuple[float, float]:
+    """The device sums (loss, correct) on the host; a non-finite loss on any process stops
+    every process here, at the same step."""
+    finite = torch.isfinite(sums[:1]).float()
+    if _distributed():
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    loss_sum, correct = sums.tolist()
+    if not finite.item():
+        raise LofastError(f"training diverged at epoch {epoch + 1} (non-finite loss); lower "
+                          "the learning rate")
+    return loss_sum, correct
 
 
 def _past(deadline: float | None) -> bool:

@@ -130,9 +130,10 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
     softmax = None
     if softmax_jacobian:
         # as in the certifier: the cheap bound sum_l ||J_l|| m_l ||X B_l|| / s on ||D_X||, and
-        # the power steps only where it is not negligible next to zeta (in some sample)
+        # on the CPU the power steps only where it is not negligible next to zeta (in some
+        # sample); an accelerator always takes them, since asking would stall it
         softmax = (score * value_norm).sum(dim=1) / (2.0 * w.scale)
-        if bool((softmax > SOFTMAX_NEGLIGIBLE * zeta).any()):
+        if X.device.type != "cpu" or bool((softmax > SOFTMAX_NEGLIGIBLE * zeta).any()):
             x_value_out = torch.einsum("bhne,hef->bhnf", x_value, output)  # (B, h, n, d) X B_l
             norm, softmax_vector = estimated_norm(start[:, 1], *softmax_first_order_maps(
                 probs, x_query, x_key, query, key, x_value_out, w.scale))
