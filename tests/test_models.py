@@ -192,12 +192,15 @@ def test_presets_are_valid_and_bad_configs_fail():
                                              (4.0, "identity")])
 def test_score_norm_fixes_every_heads_score_matrix(gain, query_key):
     model = create_model(preset("tiny", score_norm=gain, query_key=query_key), seed=0).double()
-    for stage in model.stages:
-        if hasattr(stage, "head_weights"):
-            w = stage.head_weights()
-            scores = w["query"] @ w["key"].transpose(1, 2)  # (h, d, d)
-            torch.testing.assert_close(torch.linalg.matrix_norm(scores, ord=2),
-                                       torch.full((stage.heads,), gain, dtype=torch.float64))
+    for training, tolerance in ((False, 1e-7), (True, 1e-2)):  # training: estimated norms
+        model.train(training)
+        for stage in model.stages:
+            if hasattr(stage, "head_weights"):
+                w = stage.head_weights()
+                scores = w["query"] @ w["key"].transpose(1, 2)  # (h, d, d)
+                torch.testing.assert_close(torch.linalg.matrix_norm(scores, ord=2),
+                                           torch.full((stage.heads,), gain, dtype=torch.float64),
+                                           rtol=tolerance, atol=0)
 
 
 def test_score_norm_can_be_added_to_a_trained_model():
@@ -255,7 +258,7 @@ def test_value_norm_and_live_blocks_fix_the_last_blocks_attention():
     live_blocks confines both, and identity query-key weights, to the last blocks."""
     config = preset("tiny", depth=3, score_norm=4.0, value_norm=0.2, query_key="identity",
                     live_blocks=1)
-    model = create_model(config, seed=0).double()
+    model = create_model(config, seed=0).double().eval()  # eval: exact norms
     attention = [spec for spec in model.structure() if type(spec).__name__ == "AttentionSpec"]
     for i, spec in enumerate(attention):
         values = torch.linalg.matrix_norm(spec.value @ spec.output, ord=2)
@@ -293,3 +296,31 @@ def test_option_kinds_are_enums_read_and_written_as_their_names():
     assert CertifySettings(bound="lofast-tight").bound is Bound.LOFAST_TIGHT
     with pytest.raises(CertificationError, match="bound must be one of"):
         CertifySettings(bound="tight")
+
+
+def test_training_caps_are_estimated_and_eval_caps_exact():
+    """In training mode a capped weight's norm comes from matrix products (no SVD): within a
+    small relative error of the cap, from below for the norm, so the capped weight may exceed
+    the cap by that error; in eval mode (certification) the cap is exact."""
+    from lofast.models.layers import spectral_cap
+
+    g = torch.Generator().manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(64, 64, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(48, 48, generator=g, dtype=torch.float64))
+    spectrum = torch.cat([torch.full((6,), 3.0), torch.linspace(2.99, 0.1, 42)])  # flat top
+    weight = (u[:, :48] * spectrum) @ v.T
+    weight.requires_grad_()
+    exact = torch.linalg.matrix_norm(spectral_cap(weight, 1.0), ord=2)
+    estimated = torch.linalg.matrix_norm(spectral_cap(weight, 1.0, exact=False), ord=2)
+    assert exact.item() == pytest.approx(1.0, rel=1e-12)
+    assert 1.0 <= estimated.item() <= 1.002
+    spectral_cap(weight, 1.0, exact=False).sum().backward()  # differentiable
+    assert torch.isfinite(weight.grad).all() and weight.grad.abs().sum() > 0
+    model = create_model(preset("tiny"), seed=0)
+    embed = model.stages[0]
+    with torch.no_grad():
+        embed.weight.mul_(3.0)
+    for training, rel in ((False, 1e-6), (True, 2e-3)):
+        model.train(training)
+        norm = torch.linalg.matrix_norm(embed.effective_weight().detach(), ord=2).item()
+        assert norm == pytest.approx(embed.cap, rel=rel)

@@ -172,11 +172,16 @@ def export_plain(model: LipschitzViT, dtype: torch.dtype | None = None) -> nn.Se
     """
     if dtype is None:
         dtype = next(model.parameters()).dtype
-    stages = []
-    for stage in model.stages:
-        plain = _PLAIN.get(type(stage))
-        if plain is None:
-            raise LofastError(f"cannot export stage {type(stage).__name__} for CROWN")
-        stages.append(plain(stage))
+    training = model.training
+    model.eval()  # exact spectral caps, the certifier's (training mode estimates them)
+    try:
+        stages = []
+        for stage in model.stages:
+            plain = _PLAIN.get(type(stage))
+            if plain is None:
+                raise LofastError(f"cannot export stage {type(stage).__name__} for CROWN")
+            stages.append(plain(stage))
+    finally:
+        model.train(training)
     return nn.Sequential(*stages).to(dtype).eval()
 
