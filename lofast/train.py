@@ -151,7 +151,7 @@ class TrainingObjective(nn.Module):
 
     def forward(self, x: Tensor, y: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         radius = None
-        with self.model.reusing_effective_weights():  # one SVD per capped weight per step
+        with self.model.reusing_effective_weights():  # effective weights once per step
             if self.bound is not None:
                 logits, radius = self.bound(self.model, x, eps)
             else:

@@ -33,8 +33,9 @@ def spectral_cap(weight: Tensor, cap: float | None, exact: bool = True) -> Tenso
     exact=False (a module in training mode) takes ||weight|| from ``spectral_norm`` instead of
     an SVD: no host synchronisation and no solver per step. The estimate is from below, so the
     result may exceed the cap by the estimate's error (at most 0.11 % on the weights of the
-    shipped default, whose capped spectra are flat at the top); the certifier, the attention report and every saved figure use a model in
-    eval mode, whose caps are exact, and it certifies the weights it holds, whatever they are.
+    shipped default, whose capped spectra are flat at the top). The certifier, the attention
+    report and the CROWN export use a model in eval mode, whose caps are exact, and certify
+    the weights they hold, whatever they are.
     """
     if cap is None:
         return weight
@@ -215,8 +216,9 @@ class Attention(HoldsCappedWeights, nn.Module):
         return torch.softmax(scores, dim=-1)
 
     def forward(self, x: Tensor, fixed_probabilities: Tensor | None = None) -> Tensor:
-        """x (B, n, d) -> (B, n, d); with ``fixed_probabilities`` (h, n, n), rows summing to
-        1, those replace P_l(X) for every sample (the attention ablation)."""
+        """x (B, n, d) -> (B, n, d); with ``fixed_probabilities`` (h, n, n) for every sample
+        (the attention ablation) or (B, h, n, n) per sample, rows summing to 1, those replace
+        P_l(X)."""
         w = self.effective_weights()
         v = self._split_heads(x @ w["value"])
         probs = self.probabilities(x) if fixed_probabilities is None else fixed_probabilities

@@ -72,8 +72,11 @@ class LipschitzViT(nn.Module):
         means = {}
         for i, stage in enumerate(self.stages):
             if isinstance(stage, Attention):
-                means[i] = stage.probabilities(x).mean(dim=0)
-            x = stage(x)
+                probs = stage.probabilities(x)
+                means[i] = probs.mean(dim=0)
+                x = stage(x, probs)  # the real block, its P_l(X) computed once
+            else:
+                x = stage(x)
         return means
 
     def forward_with_activations(self, x: Tensor) -> tuple[Tensor, list[Tensor]]:
@@ -87,8 +90,9 @@ class LipschitzViT(nn.Module):
     @contextlib.contextmanager
     def reusing_effective_weights(self) -> Iterator[None]:
         """Within the block, the capped stages (patch embedding, attention) compute their
-        effective weights (an SVD each) once and reuse them, for a training step that evaluates
-        them twice (forward pass and training bound). The weights must not change inside.
+        effective weights (an SVD each in eval mode, a norm estimate in training mode) once and
+        reuse them, for a training step that evaluates them more than once (forward pass,
+        training bound, attention reward). The weights must not change inside.
         Re-entrant: an inner block reuses the outer block's weights and releases nothing."""
         if self._reusing:
             yield
