@@ -39,7 +39,7 @@ from torch import Tensor
 
 from lofast.bounds.attention import AttentionSpec, attention_probabilities
 from lofast.certificate import Certifier, CertifySettings
-from lofast.config import QueryKey
+from lofast.config import Weights
 from lofast.errors import CertificationError
 from lofast.models.layers import Attention
 from lofast.models.vit import LipschitzViT
@@ -131,7 +131,7 @@ def ablate_attention(model: LipschitzViT, means: dict[int, Tensor]) -> Lipschitz
     # learned (then zeroed) query and key weights without a fixed score norm, whatever the
     # model had: every score is then 0 and only the bias C_l remains
     config = dataclasses.replace(model.config, position_bias=True, score_norm=None,
-                                 query_key=QueryKey.LEARNED)
+                                 query_key=Weights.LEARNED)
     with torch.random.fork_rng(devices=[]):  # the fresh model's initialisation is overwritten
         ablated = LipschitzViT(config)
     missing, unexpected = ablated.load_state_dict(model.state_dict(), strict=False)

@@ -34,9 +34,11 @@ class Pooling(Choice):
     CLASS_TOKEN = "cls"
 
 
-class QueryKey(Choice):
-    LEARNED = "learned"  # capped Wq, Wk
-    IDENTITY = "identity"  # Wq = Wk = I: each head compares the coordinates it owns
+class Weights(Choice):
+    """How an attention block's query/key (or value/output) matrices are made."""
+
+    LEARNED = "learned"  # learned and spectrally capped
+    IDENTITY = "identity"  # fixed identities: each head works on the coordinates it owns
 
 
 class Loss(Choice):
@@ -135,13 +137,19 @@ class ModelConfig:
     score_norm: float | None = None
     # Wq = Wk = I (identity): each head's scores are the dot products of the tokens'
     # coordinates it owns (no learned direction can make the scores constant)
-    query_key: QueryKey = QueryKey.LEARNED
+    query_key: Weights = Weights.LEARNED
     # Fix every head's ||Wv_l Wo_l|| at this value (None: only capped, which lets training switch
     # attention off by shrinking what it mixes in).
     value_norm: float | None = None
-    # score_norm, value_norm and query_key apply to the last `live_blocks` blocks only (None:
-    # all); the others keep learned, capped weights.
+    # Wv = value_cap I, Wo = output_cap I (identity): each head mixes the coordinates it owns as
+    # they are, so the value path cannot turn away from the directions in which tokens differ
+    # (with learned Wv, Wo certified training makes X Wv Wo nearly constant over the tokens).
+    value_output: Weights = Weights.LEARNED
+    # score_norm, value_norm, query_key and value_output apply to `live_blocks` blocks only
+    # (None: all): the last ones, or with live_first the first ones, whose tokens are the
+    # projected patches themselves. The others keep learned, capped weights.
     live_blocks: int | None = None
+    live_first: bool = False
 
     def __post_init__(self) -> None:
         # Every value here reaches the forward pass, and the radii reach the Lipschitz
@@ -158,13 +166,16 @@ class ModelConfig:
             raise LofastError(f"input_center must be a finite number, not {self.input_center!r}")
         # frozen: the names read from a file become their members once, here
         object.__setattr__(self, "pool", Pooling.parse("pool", self.pool))
-        object.__setattr__(self, "query_key", QueryKey.parse("query_key", self.query_key))
+        object.__setattr__(self, "query_key", Weights.parse("query_key", self.query_key))
+        object.__setattr__(self, "value_output",
+                           Weights.parse("value_output", self.value_output))
         if self.live_blocks is not None:
             _check_int("live_blocks", self.live_blocks, minimum=1)
             if self.live_blocks > self.depth:
                 raise LofastError(f"live_blocks {self.live_blocks} exceeds depth {self.depth}")
-        if not isinstance(self.position_bias, bool):
-            raise LofastError(f"position_bias must be true or false, not {self.position_bias!r}")
+        for name in ("position_bias", "live_first"):
+            if not isinstance(getattr(self, name), bool):
+                raise LofastError(f"{name} must be true or false, not {getattr(self, name)!r}")
         if self.image_size % self.patch_size:
             raise LofastError(
                 f"patch_size {self.patch_size} does not divide image_size {self.image_size}"
@@ -184,16 +195,23 @@ class ModelConfig:
         embed = d * self.channels * self.patch_size**2 + d + self.num_patches * d + d
         bias = self.heads * n * n if self.position_bias else 0
         block = 4 * d * d + bias + d * hidden + 2 * hidden
-        identity = 0 if self.query_key is QueryKey.LEARNED else sum(not self.learned_query_key(b)
-                                                            for b in range(self.depth))
+        identity = sum((not self.learned_query_key(b)) + (not self.learned_value_output(b))
+                       for b in range(self.depth))  # pairs of d x d matrices not learned
         return embed + self.depth * block - identity * 2 * d * d + self.num_classes * (d + 1)
 
     def is_live(self, block: int) -> bool:
-        """Whether score_norm, value_norm and query_key apply to block (0-based)."""
-        return self.live_blocks is None or block >= self.depth - self.live_blocks
+        """Whether score_norm, value_norm, query_key and value_output apply to block (0-based)."""
+        if self.live_blocks is None:
+            return True
+        if self.live_first:
+            return block < self.live_blocks
+        return block >= self.depth - self.live_blocks
 
     def learned_query_key(self, block: int) -> bool:
-        return self.query_key is QueryKey.LEARNED or not self.is_live(block)
+        return self.query_key is Weights.LEARNED or not self.is_live(block)
+
+    def learned_value_output(self, block: int) -> bool:
+        return self.value_output is Weights.LEARNED or not self.is_live(block)
 
     @property
     def num_patches(self) -> int:

@@ -1,5 +1,6 @@
 """Every Lipschitz component respects its claimed constant; structure matches the forward pass."""
 
+import json
 import math
 
 import pytest
@@ -273,15 +274,51 @@ def test_value_norm_and_live_blocks_fix_the_last_blocks_attention():
         preset("tiny", live_blocks=3)
 
 
-def test_option_kinds_are_enums_read_and_written_as_their_names():
-    import json
+def test_identity_value_output_and_live_first_fix_the_first_blocks_attention():
+    """value_output=identity makes every head's B_l = Wv_l Wo_l the scaled projection onto the
+    coordinates it owns (learned Wv, Wo dropped); live_first puts the live options in the first
+    blocks; the certifier and the attention report take such a model as it is."""
+    from lofast.attention_report import attention_report
+    from lofast.certificate import Certifier
 
+    config = preset("tiny", depth=3, heads=2, score_norm=8.0, value_norm=0.2,
+                    query_key="identity", value_output="identity", live_blocks=1,
+                    live_first=True, position_bias=True)
+    model = create_model(config, seed=0).double().eval()
+    attention = [s for s in model.stages if hasattr(s, "head_weights")]
+    names = [name for name, _ in attention[0].named_parameters()]
+    assert names == ["position_bias"]  # no learned query, key, value or output weights
+    assert all(len(list(a.named_parameters())) == 5 for a in attention[1:])
+    d, heads = config.width, config.heads
+    own = torch.eye(d, dtype=torch.float64).reshape(d, heads, d // heads).permute(1, 0, 2)
+    for i, block in enumerate(attention):
+        w = block.head_weights()
+        values = w["value"] @ w["output"]  # (h, d, d)
+        if i == 0:  # 0.2 times the projection onto head l's coordinates
+            torch.testing.assert_close(values, 0.2 * own @ own.mT)
+            torch.testing.assert_close(torch.linalg.matrix_norm(w["query"] @ w["key"].mT, ord=2),
+                                       torch.full((heads,), 8.0, dtype=torch.float64))
+        else:
+            assert (torch.linalg.matrix_norm(values, ord=2) <= 0.25 + 1e-9).all()
+    assert config.parameter_count() == sum(p.numel() for p in model.parameters())
+    assert json.loads(config.to_json())["value_output"] == "identity"
+    x = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    report = attention_report(model, x, model(x).argmax(dim=1))
+    assert report.heads[0].tv_mean > 1e-3 and report.heads[-1].tv_mean < report.heads[0].tv_mean
+    assert (Certifier(model).certify(x[:2], model(x[:2]).argmax(dim=1)).radius() > 0).all()
+    with pytest.raises(LofastError, match="live_first must be true or false"):
+        preset("tiny", live_first="yes")
+    with pytest.raises(LofastError, match="value_output must be one of"):
+        preset("tiny", value_output="zero")
+
+
+def test_option_kinds_are_enums_read_and_written_as_their_names():
     from lofast.certificate import CertifySettings
-    from lofast.config import Bound, Loss, ModelConfig, Pooling, QueryKey, TrainConfig, plain_dict
+    from lofast.config import Bound, Loss, ModelConfig, Pooling, TrainConfig, Weights, plain_dict
     from lofast.errors import CertificationError
 
     config = preset("tiny", pool="cls", query_key="identity", score_norm=2.0)
-    assert config.pool is Pooling.CLASS_TOKEN and config.query_key is QueryKey.IDENTITY
+    assert config.pool is Pooling.CLASS_TOKEN and config.query_key is Weights.IDENTITY
     written = json.loads(config.to_json())
     assert written["pool"] == "cls" and type(written["pool"]) is str
     assert ModelConfig.from_dict(written) == config

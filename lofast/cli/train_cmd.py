@@ -55,7 +55,8 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
                    "fixes every head's ||Wq_l Wk_l^T|| at G, query_key=identity, which "
                    "replaces the learned Wq, Wk by the identity, value_norm=B, which fixes "
                    "every head's ||Wv_l Wo_l|| at B, and live_blocks=N, which confines those "
-                   "three to the last N blocks.")
+                   "three to the last N blocks (value_output=identity and live_first=true only "
+                   "from scratch).")
 @click.option("--epochs", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--lr", type=float, default=1e-3, show_default=True)

@@ -136,7 +136,8 @@ class Attention(HoldsCappedWeights, nn.Module):
     ``num_tokens`` is given (zero at initialisation) and C_l = 0 otherwise. With ``score_norm``
     g, every head's A_l = Wq_l Wk_l^T has spectral norm exactly g (after the caps), and with
     ``value_norm`` b every head's B_l = Wv_l Wo_l norm b. Without ``learned_query_key``,
-    Wq = Wk = I (dot-product similarity per head).
+    Wq = Wk = I (dot-product similarity per head); without ``learned_value_output``,
+    Wv = value_cap I and Wo = output_cap I (each head mixes its own coordinates of the tokens).
     Heads split the columns of Wq, Wk, Wv (d, d) and the rows of Wo (d, d); the caps apply to
     the whole matrices, so every head's ||Wv_l Wo_l|| <= value_cap * output_cap.
     """
@@ -144,7 +145,7 @@ class Attention(HoldsCappedWeights, nn.Module):
     def __init__(self, width: int, heads: int, query_key_cap: float | None,
                  value_cap: float, output_cap: float, num_tokens: int | None = None,
                  score_norm: float | None = None, learned_query_key: bool = True,
-                 value_norm: float | None = None) -> None:
+                 value_norm: float | None = None, learned_value_output: bool = True) -> None:
         super().__init__()
         self.score_norm = score_norm
         self.value_norm = value_norm
@@ -155,7 +156,10 @@ class Attention(HoldsCappedWeights, nn.Module):
         # dot product on its own dh coordinates, so no direction of the tokens is hidden from
         # every head's scores.
         self.caps = ({"query": query_key_cap, "key": query_key_cap} if learned_query_key
-                     else {}) | {"value": value_cap, "output": output_cap}
+                     else {}) | ({"value": value_cap, "output": output_cap}
+                                 if learned_value_output else {})
+        self.identity_scales = {} if learned_value_output else {"value": value_cap,
+                                                                  "output": output_cap}
         self.weights = nn.ParameterDict()
         for name in self.caps:
             w = torch.empty(width, width)
@@ -163,14 +167,17 @@ class Attention(HoldsCappedWeights, nn.Module):
             self.weights[name] = nn.Parameter(w)
         self.position_bias = (None if num_tokens is None
                               else nn.Parameter(torch.zeros(heads, num_tokens, num_tokens)))
+        # the dtype and device of the fixed identities (a block may have no weight of its own)
+        self.register_buffer("like", torch.zeros(()), persistent=False)
 
     def _capped(self) -> dict[str, Tensor]:
         capped = {name: spectral_cap(self.weights[name], cap, exact=not self.training)
                   for name, cap in self.caps.items()}
+        eye = torch.eye(self.heads * self.head_dim, dtype=self.like.dtype, device=self.like.device)
         if "query" not in capped:
-            like = capped["value"]
-            capped["query"] = capped["key"] = torch.eye(like.shape[0], dtype=like.dtype,
-                                                        device=like.device)
+            capped["query"] = capped["key"] = eye
+        for name, scale in self.identity_scales.items():
+            capped[name] = scale * eye
         if self.score_norm is not None:
             capped["query"], capped["key"] = self._fixed_head_norm(
                 capped["query"], capped["key"], self.score_norm)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from lofast.bounds.stages import StageSpec
-from lofast.config import ModelConfig, QueryKey
+from lofast.config import ModelConfig, Weights
 from lofast.errors import LofastError
 from lofast.models.layers import (
     SLL,
@@ -46,7 +46,8 @@ class LipschitzViT(nn.Module):
                                     c.output_cap, c.num_tokens if c.position_bias else None,
                                     c.score_norm if live else None,
                                     c.learned_query_key(block),
-                                    c.value_norm if live else None))
+                                    c.value_norm if live else None,
+                                    c.learned_value_output(block)))
             if c.mlp_radius is not None:
                 stages.append(LayerProject(c.mlp_radius))
             stages.append(SLL(c.width, c.width * c.mlp_ratio))
@@ -137,7 +138,7 @@ def with_options(model: LipschitzViT, **changes) -> LipschitzViT:
     head's value path to that norm; live_blocks limits these to the last blocks."""
     unknown = sorted(set(changes) - set(INIT_OPTIONS))
     if (unknown or changes.get("position_bias", True) is not True
-            or changes.get("query_key", QueryKey.IDENTITY) != QueryKey.IDENTITY):
+            or changes.get("query_key", Weights.IDENTITY) != Weights.IDENTITY):
         raise LofastError(f"a trained model can take on only: "
                           f"{', '.join(f'{k} ({v})' for k, v in INIT_OPTIONS.items())}")
     like = next(model.parameters())
