@@ -814,3 +814,62 @@ def test_second_order_terms_bound_the_nonlinear_part(residual, row_norm):
         # the attack found a real nonlinear part; the bound, a sum of products of norms, is
         # 50-250x above it on these random weights (loose, but only ever used at second order)
         assert (best > 1e-3 * bound).all()
+
+
+def coordinate_weights(h, d, dv, residual, seed, alpha=0.7, beta=0.6, gain=8.0, n=5):
+    """Weights whose value paths are scaled projections on each head's own dv coordinates
+    (``value_output=identity``; with h dv < d some coordinates are no head's), learned scores
+    of norm about ``gain`` and a position bias: attention far from its reference."""
+    w = make_weights(h, d, dv, residual, seed, gain=gain, bias_tokens=n)
+    own = torch.eye(d, dtype=torch.float64)[:, : h * dv].reshape(d, h, dv).permute(1, 0, 2)
+    return AttentionSpec(query=w.query, key=w.key, value=alpha * own, output=beta * own.mT,
+                         residual=residual, scale=w.scale, position_bias=w.position_bias)
+
+
+@pytest.mark.parametrize("h, d, dv, residual", [(1, 8, 8, True), (2, 8, 4, True),
+                                                (4, 12, 3, False), (2, 10, 3, True)])
+def test_closed_form_zeta_for_coordinate_values(h, d, dv, residual):
+    """With B_l = b Q_l Q_l^T on disjoint coordinates, zeta is the largest ||r I + b P_l||; it
+    matches the materialised operator and is what the verified certifier uses (no Gram)."""
+    w = coordinate_weights(h, d, dv, residual, seed=40 + h + d)
+    values = w.coordinate_values
+    assert values is not None and values.covers == (h * dv == d)
+    torch.testing.assert_close(values.scales, torch.full((h,), 0.42, dtype=torch.float64))
+    X = make_tokens(4, 5, d, 1.0, seed=41)
+    exact = torch.linalg.matrix_norm(materialised_operator(X, w), ord=2)
+    closed = first_order.coordinate_first_order_norm(attention_probabilities(X, w), values,
+                                                     residual)
+    assert (closed >= exact).all() and (closed <= exact * (1 + 1e-7)).all()
+    zeta = attention_sensitivity(X, w, method=VERIFIED, score_bound="relaxed").zeta
+    assert (zeta >= exact).all() and (zeta <= exact * (1 + 1e-7)).all()
+    # far from the reference: without the closed form the verified path needs the Gram matrix
+    deviation = first_order.reference_deviation_norms(attention_probabilities(X, w),
+                                                      w.reference_probabilities)
+    assert (deviation.amax(dim=1) > 0.1).all()
+
+
+def test_closed_form_zeta_needs_the_exact_structure():
+    w = coordinate_weights(2, 8, 4, True, seed=42)
+    assert w.coordinate_values is not None
+    for change in ("value entry", "head scale", "shared coordinate", "output column"):
+        value, output = w.value.clone(), w.output.clone()
+        if change == "value entry":
+            value[0, 5, 0] = 1e-300  # a second nonzero in a column, however small
+        elif change == "head scale":
+            value[1, 5, 1] *= 1.0 + 2.0 ** -52
+        elif change == "shared coordinate":
+            value[1], output[1] = value[0], output[0]
+        else:
+            output[0, 0], output[0, 1] = output[0, 1].clone(), output[0, 0].clone()
+        broken = AttentionSpec(query=w.query, key=w.key, value=value, output=output,
+                               residual=True, scale=w.scale, position_bias=w.position_bias)
+        assert broken.coordinate_values is None, change
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_delta_with_closed_form_zeta_dominates_pgd(residual):
+    w = coordinate_weights(2, 8, 4, residual, seed=43, gain=4.0)
+    X = make_tokens(3, 5, 8, 1.0, seed=44)
+    attack = pgd_lower_bound(X, w, EPS, restarts=3, steps=150)
+    sens = attention_sensitivity(X, w, method=VERIFIED, softmax_jacobian=True)
+    assert (sens.delta(EPS[None].expand(3, -1)) >= attack).all()

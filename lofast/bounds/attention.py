@@ -78,8 +78,11 @@ from torch import Tensor
 
 from lofast.bounds.deflation import LARGE_DEFLATION, Deflation, deflate_gram
 from lofast.bounds.first_order import (
+    CoordinateValues,
     FirstOrderFactors,
     as_float64,
+    coordinate_first_order_norm,
+    coordinate_values,
     first_order_factors,
     first_order_gram,
     first_order_negated_gram,
@@ -190,6 +193,12 @@ class AttentionSpec:
                                            self.first_order_factors)
         norm = uniform_mix_norm(as_float64(self.value), as_float64(self.output), self.residual)
         return torch.clamp(norm, min=1.0 if self.residual else 0.0), None
+
+    @functools.cached_property
+    def coordinate_values(self) -> CoordinateValues | None:
+        """The value paths' structure when each is a scaled projection on the head's own
+        coordinates (``first_order.coordinate_values``): zeta then has a closed form."""
+        return coordinate_values(as_float64(self.value), as_float64(self.output))
 
     @functools.cached_property
     def first_order_factors(self) -> FirstOrderFactors:
@@ -377,10 +386,14 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
         deviation = reference_deviation_norms(probs, reference)  # >= ||P_l - R_l||
         near = near_reference_first_order_bound(probs, reference, reference_norm.to(device),
                                                 value_weight_norm, deviation)
+        closed_form = w.coordinate_values
+        if closed_form is not None:  # zeta exactly, from h (n, n) norms
+            near = torch.minimum(near, coordinate_first_order_norm(probs, closed_form,
+                                                                   w.residual))
         if method.kind == "verified" and same_device:
             zeta, softmax, jacobian = verified_near_reference(
                 X, probs, x_query, x_key, x_value, x_value_out, score, w, method, near,
-                deviation, softmax)
+                deviation, softmax, zeta_is_tight=closed_form is not None)
         elif method.kind == "verified":
             zeta = verified_first_order_norm(
                 probs, first_order_factors(value, output, w.residual), method, known=near,

@@ -246,9 +246,9 @@ def deflated_first_order_bound(data: JacobianData, deflation: Deflation, referen
 def verified_near_reference(X: Tensor, probs: Tensor, x_query: Tensor, x_key: Tensor,
                             x_value: Tensor, x_value_out: Tensor, score: Tensor,
                             w: AttentionSpec, method: SpectralMethod, near: Tensor,
-                            deviation: Tensor,
-                            softmax: Tensor | None) -> tuple[Tensor, Tensor | None,
-                                                              Tensor | None]:
+                            deviation: Tensor, softmax: Tensor | None,
+                            zeta_is_tight: bool = False) -> tuple[Tensor, Tensor | None,
+                                                                  Tensor | None]:
     """zeta, zeta_s and the Jacobian bound (B,) each (the last two None without the
     refinement) of the verified method, deterministic upper bounds.
 
@@ -262,7 +262,10 @@ def verified_near_reference(X: Tensor, probs: Tensor, x_query: Tensor, x_key: Te
     LARGE_DEFLATION is tried; only where that one is not either, the Kronecker Gram's Cholesky
     proof (``verified_first_order_norm``) and, with the refinement, the verified ||D_X||
     follow, as without the near-reference bounds. near: the near-reference bound; deviation
-    (B, h): upper bounds on ||P_l - R_l||; softmax: the product bound on ||D_X|| or None."""
+    (B, h): upper bounds on ||P_l - R_l||; softmax: the product bound on ||D_X|| or None;
+    zeta_is_tight: near is within rounding of zeta already (a closed form), so zeta needs
+    neither deflation nor the Gram matrix; the Jacobian's bound then tries the first deflation
+    only, and the verified ||D_X|| where that is loose."""
     n = X.shape[1]
     f = w.first_order_factors
     reference_norm, direction = w.reference_first_order
@@ -280,8 +283,9 @@ def verified_near_reference(X: Tensor, probs: Tensor, x_query: Tensor, x_key: Te
                 (query_stacked, key_stacked, output_stacked), w.scale))
     along = (f.direction / math.sqrt(n)).repeat(n) if direction is None else direction
     slack = 1.0 + method.relative_slack
-    settled = zeta <= first_order_estimate(probs, f, along, 1).clamp_min(0.0).sqrt() * (
-        slack * f.unit)
+    settled = (torch.ones_like(zeta, dtype=torch.bool) if zeta_is_tight else
+               zeta <= first_order_estimate(probs, f, along, 1).clamp_min(0.0).sqrt() * (
+                   slack * f.unit))
     rows = ~settled
     if softmax is not None:
         rows = rows | (softmax > SOFTMAX_NEGLIGIBLE * zeta)
@@ -291,7 +295,9 @@ def verified_near_reference(X: Tensor, probs: Tensor, x_query: Tensor, x_key: Te
     projections, output = w.jacobian_weights
     loose = rows.clone()
     for large in (False, True):  # the larger deflation only for samples the first leaves loose
-        if large and (not bool(loose.any()) or w.deflation(n).size >= LARGE_DEFLATION):
+        # (it exists to spare zeta the Gram matrix: not needed when zeta is in closed form)
+        if large and (not bool(loose.any()) or w.deflation(n).size >= LARGE_DEFLATION
+                      or zeta_is_tight):
             break
         data = JacobianData(probs=probs[loose], x_query=x_query[loose], x_key=x_key[loose],
                             x_value=x_value[loose], projections=projections, output=output,
@@ -308,8 +314,9 @@ def verified_near_reference(X: Tensor, probs: Tensor, x_query: Tensor, x_key: Te
             jacobian[loose] = torch.minimum(jacobian[loose], bound)
             loose[loose.clone()] = ~(bound <= ritz * (1.0 + JACOBIAN_SLACK))
     if bool(loose.any()):
-        zeta[loose] = verified_first_order_norm(probs[loose], f, method, known=zeta[loose],
-                                                along=along)
+        if not zeta_is_tight:
+            zeta[loose] = verified_first_order_norm(probs[loose], f, method,
+                                                    known=zeta[loose], along=along)
         if softmax is not None:
             softmax[loose] = torch.minimum(softmax[loose], softmax_first_order_norm(
                 probs[loose], x_query[loose], x_key[loose], x_value_out[loose], query, key,
