@@ -291,7 +291,11 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
             eps = scheduled_eps(config, epoch + step / steps_per_epoch)
             try:
                 loss, logits = training_step(objective, optimizer, x, y, eps, use_amp)
-            except torch.linalg.LinAlgError:  # the spectral caps' SVD of non-finite weights
+            except (torch.linalg.LinAlgError, ValueError):
+                # weights gone non-finite since the last loss check: refused by an SVD or by
+                # the training bound's own checks (a non-finite position bias)
+                if all(torch.isfinite(p).all() for p in model.parameters()):
+                    raise
                 raise LofastError(f"training diverged at epoch {epoch + 1} (non-finite weights); "
                                   "lower the learning rate") from None
             scheduler.step()

@@ -229,6 +229,37 @@ def test_train_resume_refuses_another_plan(data_dir, tmp_path, change, named):
     assert_one_clear_error(result, named)
 
 
+def test_weights_gone_non_finite_mid_epoch_are_one_clear_error(data_dir, tmp_path,
+                                                               monkeypatch):
+    """Between two loss checks a step can leave non-finite weights that the next step's
+    certified bound refuses (an attention spec with a non-finite position bias): that is
+    divergence, reported as such, not a traceback."""
+    import torch
+
+    import lofast.train as train_module
+
+    original = train_module.training_step
+    calls = {"n": 0}
+
+    def poison_bias(objective, *a, **k):  # 32 images in batches of 16: 2 steps per epoch
+        calls["n"] += 1
+        result = original(objective, *a, **k)
+        if calls["n"] == 3:  # the first step of epoch 2
+            with torch.no_grad():
+                bias = next(p for n, p in objective.named_parameters()
+                            if n.endswith("position_bias"))
+                bias.fill_(float("nan"))
+        return result
+
+    monkeypatch.setattr(train_module, "training_step", poison_bias)
+    out = tmp_path / "m.safetensors"
+    result = invoke(*train_args(data_dir, out, "--epochs", "3", "--limit", "32", "--loss",
+                                "certified", "--train-eps", "0.05", "--model-option",
+                                "position_bias=true"))
+    assert_one_clear_error(result, "diverged at epoch 2 (non-finite weights)")
+    assert not out.exists()
+
+
 def test_non_finite_weights_stop_training_and_keep_the_last_good_state(data_dir, tmp_path,
                                                                        monkeypatch):
     import torch
