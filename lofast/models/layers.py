@@ -173,11 +173,13 @@ class Attention(HoldsCappedWeights, nn.Module):
     def _capped(self) -> dict[str, Tensor]:
         capped = {name: spectral_cap(self.weights[name], cap, exact=not self.training)
                   for name, cap in self.caps.items()}
-        eye = torch.eye(self.heads * self.head_dim, dtype=self.like.dtype, device=self.like.device)
-        if "query" not in capped:
-            capped["query"] = capped["key"] = eye
-        for name, scale in self.identity_scales.items():
-            capped[name] = scale * eye
+        if len(capped) < 4:  # some weights are fixed identities
+            eye = torch.eye(self.heads * self.head_dim, dtype=self.like.dtype,
+                            device=self.like.device)
+            if "query" not in capped:
+                capped["query"] = capped["key"] = eye
+            for name, scale in self.identity_scales.items():
+                capped[name] = scale * eye
         if self.score_norm is not None:
             capped["query"], capped["key"] = self._fixed_head_norm(
                 capped["query"], capped["key"], self.score_norm)
