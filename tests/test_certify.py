@@ -36,6 +36,17 @@ def trained_with_live_attention():
 
 
 @pytest.fixture(scope="module")
+def trained_with_coordinate_values():
+    """As trained_with_live_attention in its first block, with Wv = Wo = I scaled to every
+    head's ||B_l|| = 0.5: zeta in closed form (``first_order.coordinate_first_order_norm``)."""
+    model, x, y = train_tiny(position_bias=True, score_norm=8.0, query_key="identity",
+                             value_output="identity", value_norm=0.5, live_blocks=1,
+                             live_first=True)
+    assert model.structure()[2].coordinate_values is not None  # the first attention block
+    return model, x, y
+
+
+@pytest.fixture(scope="module")
 def certificate(trained):
     model, x, y = trained
     return Certifier(model, CertifySettings()).certify(x, y)
@@ -51,7 +62,8 @@ def test_model_learned_and_some_samples_certify(trained, certificate):
 
 @pytest.mark.parametrize("kind, model_name", [("lanczos", "trained"), ("verified", "trained"),
                                                ("verified", "trained_with_position_bias"),
-                                               ("verified", "trained_with_live_attention")])
+                                               ("verified", "trained_with_live_attention"),
+                                               ("verified", "trained_with_coordinate_values")])
 def test_certified_samples_survive_pgd(kind, model_name, request):
     """Attack every sample just inside its certified radius: that ball contains the ball of
     every eps it is certified at, so one strong attack there checks all its verdicts. Both
