@@ -294,7 +294,7 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
             except (torch.linalg.LinAlgError, ValueError):
                 # weights gone non-finite since the last loss check: refused by an SVD or by
                 # the training bound's own checks (a non-finite position bias)
-                if all(torch.isfinite(p).all() for p in model.parameters()):
+                if _finite_weights(model):
                     raise
                 raise LofastError(f"training diverged at epoch {epoch + 1} (non-finite weights); "
                                   "lower the learning rate") from None
@@ -323,7 +323,7 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
         test_accuracy = evaluate(model, test_images, test_labels, device) if rank == 0 else 0.0
         stats = EpochStats(epoch + 1, config.epochs, loss_sum / seen, correct / seen,
                            test_accuracy, seen / seconds, seconds)
-        if not all(torch.isfinite(p).all() for p in model.parameters()):
+        if not _finite_weights(model):
             raise LofastError(f"training produced non-finite weights in epoch {epoch + 1}; the "
                               "last finished epoch's state is kept; lower the learning rate")
         history.append(stats)
@@ -336,6 +336,11 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
             raise TimeLimitReached(f"epoch {epoch + 1} of {config.epochs}")
     model.eval()
     return history
+
+
+def _finite_weights(model: nn.Module) -> bool:
+    """Whether every parameter is finite (one host synchronisation per parameter)."""
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 def _checked_sums(sums: Tensor, epoch: int) -> tuple[float, float]:
