@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lofast.bounds import attention, first_order, near_reference
+from lofast.bounds import attention, first_order, near_reference, softmax_terms
 from lofast.bounds.attention import (
     AttentionSensitivity,
     AttentionSpec,
@@ -719,6 +719,37 @@ def test_softmax_first_order_norm_matches_autograd(n, d, h, dh, residual, method
     # and it is far below the product of norms it replaces
     product = (sens.kappa / sens.scale * sens.score_sensitivity * sens.value_norm).sum(dim=1)
     assert (sens.softmax_first_order < 0.8 * product).all()
+
+
+@pytest.mark.parametrize("n, d, h, dh, residual", [(5, 24, 1, 8, True), (3, 20, 2, 6, False),
+                                                   (4, 40, 1, 40, True)])
+@pytest.mark.parametrize("method", [DENSE, VERIFIED, LANCZOS], ids=["dense", "verified", "lanczos"])
+def test_softmax_first_order_norm_compresses_few_heads(monkeypatch, n, d, h, dh, residual,
+                                                       method):
+    # with 2hn < d the scores see G only through 2hn directions: the norm is taken on n x 2hn
+    w = make_weights(h, d, dh, residual, seed=47, gain=3.0)
+    X = make_tokens(3, n, d, 1.0, seed=48)
+    reference = reference_softmax_first_order_norm(X, w)
+    x_query, x_key, x_value = (torch.einsum("bnd,hde->bhne", X, m)
+                               for m in (w.query, w.key, w.value))
+    x_value_out = x_value @ w.output[None]
+    A = w.query @ w.key.mT
+    score = (torch.linalg.matrix_norm(X[:, None] @ A.mT, ord=2)
+             + torch.linalg.matrix_norm(X[:, None] @ A, ord=2))  # >= ||M_l||, (B, h)
+    probs = torch.as_tensor(reference_probabilities(X, w))
+    shapes = []
+    real = softmax_terms.operator_norm
+
+    def recording(apply, adjoint, in_shape, *args, **kwargs):
+        shapes.append(tuple(in_shape))
+        return real(apply, adjoint, in_shape, *args, **kwargs)
+
+    monkeypatch.setattr(softmax_terms, "operator_norm", recording)
+    bound = softmax_terms.softmax_first_order_norm(probs, x_query, x_key, x_value_out, w.query,
+                                                   w.key, score, w.scale, method, None)
+    assert shapes == [(n, 2 * h * n)]
+    ratio = bound / reference
+    assert (ratio >= 1 - 1e-12).all() and (ratio <= 1 + 1.1 * SLACK).all(), ratio
 
 
 def test_softmax_first_order_skipped_where_negligible(monkeypatch):

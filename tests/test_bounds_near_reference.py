@@ -32,7 +32,7 @@ from lofast.bounds.near_reference import (
     jacobian_rounding,
     softmax_first_order_bound,
 )
-from lofast.bounds.softmax_terms import softmax_first_order_maps
+from lofast.bounds.softmax_terms import score_factors, softmax_first_order_maps
 from lofast.bounds.spectral import matrix_norm_upper
 
 F64 = torch.float64
@@ -75,8 +75,8 @@ def test_products_match_the_maps_and_their_adjoints():
     P, q, k, v, o = (data.probs, *(t.to(F64) for t in (w.query, w.key, w.value, w.output)))
     apply_t, adjoint_t = first_order_maps(P, v, o, True)
     x_value_out = torch.einsum("bhne,hef->bhnf", data.x_value, o)
-    apply_d, adjoint_d = softmax_first_order_maps(P, data.x_query, data.x_key, q, k, x_value_out,
-                                                  w.scale)
+    apply_d, adjoint_d = softmax_first_order_maps(
+        P, *score_factors(data.x_query, data.x_key, q, k), x_value_out, w.scale)
     g = torch.Generator().manual_seed(3)
     G = torch.randn(4, 6, 16, generator=g, dtype=F64)
     first, whole = jacobian_apply(G, data, False), jacobian_apply(G, data, True)

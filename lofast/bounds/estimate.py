@@ -26,7 +26,11 @@ from lofast.bounds.attention import TIGHT_KAPPA, AttentionSensitivity, Attention
 from lofast.bounds.first_order import first_order_maps
 from lofast.bounds.krylov import LinearMap, power_iterate
 from lofast.bounds.near_reference import SOFTMAX_NEGLIGIBLE
-from lofast.bounds.softmax_terms import probabilities_from_projections, softmax_first_order_maps
+from lofast.bounds.softmax_terms import (
+    probabilities_from_projections,
+    score_factors,
+    softmax_first_order_maps,
+)
 from lofast.bounds.spectral import Guarantee
 
 # Floor under squared norms before the square root (whose gradient is unbounded at 0) and under
@@ -136,7 +140,7 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
         if X.device.type != "cpu" or bool((softmax > SOFTMAX_NEGLIGIBLE * zeta).any()):
             x_value_out = torch.einsum("bhne,hef->bhnf", x_value, output)  # (B, h, n, d) X B_l
             norm, softmax_vector = estimated_norm(start[:, 1], *softmax_first_order_maps(
-                probs, x_query, x_key, query, key, x_value_out, w.scale))
+                probs, *score_factors(x_query, x_key, query, key), x_value_out, w.scale))
             softmax = torch.minimum(softmax, norm)
         else:
             softmax_vector = start[:, 1]

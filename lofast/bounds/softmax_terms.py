@@ -7,6 +7,8 @@ softmax Jacobians J_l, whose norm the second-order refinement of ``bounds.attent
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -26,27 +28,60 @@ def softmax_first_order_norm(probs: Tensor, x_query: Tensor, x_key: Tensor, x_va
     X B_l; query, key (h, d, dh); score (B, h) upper bounds on ||M_l||. The guarantee is the
     method's.
 
-    D_X(G) = E(G) Y with E(G) = [J_1(E1_1) ... J_h(E1_h)] (n x hn) and Y = [X B_1; ...; X B_h]
-    (hn x d). With Y^T = Q R (Householder QR, R: k x hn, k = min(d, hn)), ||E Y||_F = ||E R^T||_F,
-    so the norm is taken of the map into n x k (200 outputs instead of 640 for paper-d3).
-    Rounding of the QR: Y + dY = R^T Q^T with Q exactly orthonormal and
-    ||dY||_F <= gamma~ ||Y||_F (Higham, Thm 19.4); ||E(G)||_F <= sqrt(sum_l (m_l / 2)^2) ||G||_F
-    (||J_l|| <= 1/2), so adding gamma~ ||Y||_F sqrt(sum_l (m_l / 2)^2) / s covers it.
+    Both sides of D_X are compressed by Householder QR before its norm is taken, which changes
+    the norm only by the rounding terms added at the end:
+
+    - Output. D_X(G) = E(G) Y with E(G) = [J_1(E1_1) ... J_h(E1_h)] (n x hn) and
+      Y = [X B_1; ...; X B_h] (hn x d). With Y^T = Q R (R: k x hn, k = min(d, hn)),
+      ||E Y||_F = ||E R^T||_F, so the map goes into n x k (200 outputs instead of 640 for
+      paper-d3).
+    - Input. E1_l(G) = G K_l + (G U_l)^T with K_l = Wq_l (X Wk_l)^T and U_l = Wk_l (X Wq_l)^T
+      (d x n) sees G only through S = [K_1 U_1 ... K_h U_h] (d x 2hn). With S = Q' R'
+      (R': r x 2hn, r = 2hn, when 2hn < d), G -> G Q' maps the unit ball of n x d onto that of
+      n x r, so D_X has the norm of the map H -> E'(H) R^T on n x r whose E1_l reads K_l, U_l
+      from R' (578 inputs instead of 2176 for one head on 17 tokens of width 128).
+
+    Rounding (Higham, Thm 19.4): Y + dY = R^T Q^T and S + dS = Q' R' with Q, Q' exactly
+    orthonormal, ||dY||_F <= gamma~ ||Y||_F and ||dS||_F <= gamma~ ||S||_F. Let E~ be E with S
+    replaced by S + dS. Since ||J_l|| <= 1/2, ||(E - E~)(G)||_F <= ||dS||_F ||G||_F / sqrt(2)
+    and ||E(G)||_F <= sqrt(sum_l (m_l / 2)^2) ||G||_F, hence
+    ||D_X|| <= ||H -> E'(H) R^T|| + (||dS||_F ||Y||_F / sqrt(2)
+               + ||dY||_F (sqrt(sum_l (m_l / 2)^2) + ||dS||_F / sqrt(2))) / s.
     """
     batch, heads, n, d = x_value_out.shape
     stacked = x_value_out.reshape(batch, heads * n, d)
-    factor = torch.linalg.qr(stacked.mT).R.mT.reshape(batch, heads, n, -1)  # R^T, per head
+    factor = torch.linalg.qr(stacked.mT, mode="r").R.mT.reshape(batch, heads, n, -1)  # R^T
     k = factor.shape[-1]
+    through_keys, through_queries = score_factors(x_query, x_key, query, key)  # (B, h, d, n)
+    left_error = torch.zeros(batch, dtype=torch.float64, device=probs.device)
+    if 2 * heads * n < d:
+        left = torch.stack([through_keys, through_queries], dim=2)  # (B, h, 2, d, n)
+        columns = left.permute(0, 3, 1, 2, 4).reshape(batch, d, 2 * heads * n)
+        compressed = torch.linalg.qr(columns, mode="r").R  # (B, r, 2hn), r = 2hn
+        through_keys, through_queries = (compressed.reshape(batch, -1, heads, 2, n)
+                                         .permute(0, 2, 3, 1, 4).unbind(dim=2))
+        left_error = (gamma(64 * d * 2 * heads * n)
+                      * torch.linalg.vector_norm(columns, dim=(1, 2)))
+    width = through_keys.shape[-2]
     parts = []
-    for rows in sample_chunks(batch, working_elements(method, n * d, n * k), probs.device):
-        p = probs[rows]
-        apply, adjoint = softmax_first_order_maps(p, x_query[rows], x_key[rows], query, key,
-                                                  factor[rows], scale)
-        parts.append(operator_norm(apply, adjoint, (n, d), p.shape[0], method,
+    for rows in sample_chunks(batch, working_elements(method, n * width, n * k), probs.device):
+        apply, adjoint = softmax_first_order_maps(probs[rows], through_keys[rows],
+                                                  through_queries[rows], factor[rows], scale)
+        parts.append(operator_norm(apply, adjoint, (n, width), probs[rows].shape[0], method,
                                    device=probs.device, generator=generator))
-    qr_error = (gamma(64 * d * heads * n) * torch.linalg.vector_norm(stacked, dim=(1, 2))
-                * torch.linalg.vector_norm(score / 2, dim=1) / scale)
-    return (torch.cat(parts) + qr_error) * (1.0 + 2.0 ** -40)
+    right_error = gamma(64 * d * heads * n) * torch.linalg.vector_norm(stacked, dim=(1, 2))
+    score_bound = torch.linalg.vector_norm(score / 2, dim=1)
+    rounding = (left_error * torch.linalg.vector_norm(stacked, dim=(1, 2)) / math.sqrt(2.0)
+                + right_error * (score_bound + left_error / math.sqrt(2.0))) / scale
+    return (torch.cat(parts) + rounding) * (1.0 + 2.0 ** -40)
+
+
+def score_factors(x_query: Tensor, x_key: Tensor, query: Tensor,
+                  key: Tensor) -> tuple[Tensor, Tensor]:
+    """K_l = Wq_l (X Wk_l)^T and U_l = Wk_l (X Wq_l)^T, each (B, h, d, n), from x_query, x_key
+    (B, h, n, dh) and query, key (h, d, dh): the change of head l's scores is
+    G A_l X^T + X A_l G^T = G K_l + (G U_l)^T."""
+    return query @ x_key.mT, key @ x_query.mT
 
 
 def score_norm(x_score: Tensor, x_score_t: Tensor, method: SpectralMethod,
@@ -71,14 +106,14 @@ def score_norm(x_score: Tensor, x_score_t: Tensor, method: SpectralMethod,
     return torch.cat(parts).reshape(batch, heads)
 
 
-def softmax_first_order_maps(probs: Tensor, x_query: Tensor, x_key: Tensor, query: Tensor,
-                             key: Tensor, right: Tensor, scale: float) -> tuple[LinearMap,
-                                                                                LinearMap]:
-    """G -> sum_l J_l(G A_l X^T + X A_l G^T) right_l / s (n x d -> n x k) and its adjoint.
+def softmax_first_order_maps(probs: Tensor, through_keys: Tensor, through_queries: Tensor,
+                             right: Tensor, scale: float) -> tuple[LinearMap, LinearMap]:
+    """G -> sum_l J_l(G K_l + (G U_l)^T) right_l / s (n x m -> n x k) and its adjoint.
 
-    probs (B, h, n, n); x_query, x_key (B, h, n, dh) X Wq_l, X Wk_l; query, key (h, d, dh);
-    right (B, h, n, k): X B_l gives D_X itself, a factor R_l^T with the same Gram matrix
-    [R_1^T; ...] [R_1^T; ...]^T as [X B_1; ...] gives a map of the same norm. J_l is the
+    probs (B, h, n, n); through_keys K_l and through_queries U_l (B, h, m, n): with
+    ``score_factors`` (m = d) G K_l + (G U_l)^T is G A_l X^T + X A_l G^T, the change of head l's
+    scores; right (B, h, n, k): X B_l gives D_X itself, a factor R_l^T with the same Gram
+    matrix [R_1^T; ...] [R_1^T; ...]^T as [X B_1; ...] gives a map of the same norm. J_l is the
     row-wise softmax Jacobian diag(p) - p p^T, self-adjoint."""
 
     def jacobian(E: Tensor) -> Tensor:
@@ -86,14 +121,12 @@ def softmax_first_order_maps(probs: Tensor, x_query: Tensor, x_key: Tensor, quer
         return weighted - probs * weighted.sum(dim=-1, keepdim=True)
 
     def apply(G: Tensor) -> Tensor:
-        scores = (torch.einsum("bnd,hde->bhne", G, query) @ x_key.mT
-                  + x_query @ torch.einsum("bnd,hde->bhne", G, key).mT)  # E1_l (B, h, n, n)
+        scores = G[:, None] @ through_keys + (G[:, None] @ through_queries).mT  # (B, h, n, n)
         return torch.einsum("bhij,bhjk->bik", jacobian(scores), right) / scale
 
     def adjoint(Z: Tensor) -> Tensor:
         mixed = jacobian(torch.einsum("bik,bhjk->bhij", Z, right) / scale)
-        return (torch.einsum("bhij,bhje,hde->bid", mixed, x_key, query)
-                + torch.einsum("bhji,bhje,hde->bid", mixed, x_query, key))
+        return (mixed @ through_keys.mT + mixed.mT @ through_queries.mT).sum(dim=1)
 
     return apply, adjoint
 
