@@ -2,7 +2,11 @@
 from the image to the pooled features, at a given eps, per sample (exact guarantee). A stage
 whose factor is large is where the certificate loses its radius: attention blocks against
 the rest. Prints a table (geometric mean and maximum of every stage's factor over the samples,
-and the mean log-factor: positive expands, negative contracts) and writes JSON.
+and the mean log-factor: positive expands, negative contracts), then, for every attention
+block with the softmax refinement, what its factor is made of: the first-order coefficient
+(>= the norm of the block's Jacobian) and the three second-order terms divided by the block's
+input radius (mean over the samples; they add up to the factor wherever the refined bound is
+the one in use, the share given last). Writes JSON.
 
     python benchmarks/radius_budget.py [--checkpoint CKPT] [--n 50] [--eps 36/255]
         [--out radius_budget.json]
@@ -40,9 +44,18 @@ def main() -> None:
     certificate = certifier.certify(x, y)
     radius = torch.full((len(y), 1), eps, dtype=torch.float64)
     factors = []  # (B,) per stage: output radius / input radius
-    for step in certificate.steps:
+    splits = {}  # stage -> what an attention block's factor is made of
+    for i, step in enumerate(certificate.steps):
         out = step.delta(radius)
         factors.append((out / radius)[:, 0])
+        linear = getattr(step, "refined_first_order", None)
+        if linear is not None:
+            parts = {k: (v / radius)[:, 0] for k, v in step.second_order_parts(radius).items()}
+            refined = linear + sum(parts.values())
+            splits[i] = {"first_order_geometric_mean": linear.log().mean().exp().item(),
+                         **{f"{k}_mean": v.mean().item() for k, v in parts.items()},
+                         "refined_in_use": (refined <= factors[-1] * (1 + 1e-12))
+                         .double().mean().item()}
         radius = out
     names = [type(spec).__name__.removesuffix("Spec") for spec in certifier.structure[:-1]]
     logs = torch.stack([f.log() for f in factors])  # (S, B)
@@ -58,6 +71,14 @@ def main() -> None:
               f"{rows[-1]['mean_log']:>9.4f}")
     attention = math.exp(sum(r["mean_log"] for r in rows if r["kind"] == "Attention"))
     print(f"attention blocks together multiply the radius by {attention:.4g} (geometric mean)")
+    if splits:
+        print(f"{'#':>3} {'first order':>12} {'+ scores':>9} {'+ remainder':>12} {'+ values':>9} "
+              f"{'refined in use':>15}")
+    for i, split in splits.items():
+        rows[i]["refined"] = split
+        print(f"{i:>3} {split['first_order_geometric_mean']:>12.4f} {split['scores_mean']:>9.4f} "
+              f"{split['remainder_mean']:>12.4f} {split['values_mean']:>9.4f} "
+              f"{split['refined_in_use']:>15.0%}")
     with open(args.out, "w") as f:
         json.dump({"checkpoint": str(checkpoint), "eps": eps, "images": len(y),
                    "total_geometric_mean": total.mean().exp().item(), "stages": rows,

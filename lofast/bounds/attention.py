@@ -289,25 +289,42 @@ class AttentionSensitivity:
         e = eps[..., None]
         second = (score + e * self.score_weight_norm) * (value + e * self.value_weight_norm)
         lipschitz = zeta * eps + (self.kappa / self.scale) * eps * second.sum(dim=-1)
-        if self.softmax_first_order is None:
+        linear = self.refined_first_order
+        if linear is None:
             return lipschitz
-        linear = zeta + self.softmax_first_order[(slice(None), *extra)]  # >= ||T_X + D_X||
-        if self.jacobian is not None:
-            linear = torch.minimum(linear, self.jacobian[(slice(None), *extra)])
-        refined = linear * eps + self.second_order_terms(eps)
+        refined = linear[(slice(None), *extra)] * eps + self.second_order_terms(eps)
         return torch.minimum(lipschitz, refined)
+
+    @property
+    def refined_first_order(self) -> Tensor | None:
+        """(B,) the refinement's first-order coefficient, >= ||T_X + D_X||: zeta + zeta_s, or
+        the direct bound on the Jacobian where smaller; None without the refinement."""
+        if self.softmax_first_order is None:
+            return None
+        linear = self.zeta + self.softmax_first_order
+        return linear if self.jacobian is None else torch.minimum(linear, self.jacobian)
 
     def second_order_terms(self, eps: Tensor) -> Tensor:
         """eps^2 sum_l (kappa ||A_l|| ||X B_l|| / s + rho_l^2 ||X B_l|| / 2 + kappa rho_l ||B_l||),
         rho_l = (m_l + eps ||A_l||) / s: a bound on ||F(X') - F(X) - J_X (X' - X)||_F with J_X
         the block's Jacobian at X (= T_X + D_X). eps (B,) or (B, E) float64 -> same shape."""
+        return sum(self.second_order_parts(eps).values())
+
+    def second_order_parts(self, eps: Tensor) -> dict[str, Tensor]:
+        """The three terms of ``second_order_terms``, each summed over heads (same shape as
+        eps): "scores" eps^2 kappa ||A_l|| ||X B_l|| / s, the quadratic part G A_l G^T of the
+        scores through the softmax Jacobian; "remainder" eps^2 rho_l^2 ||X B_l|| / 2, the
+        softmax's Taylor remainder; "values" eps^2 kappa rho_l ||B_l||, the change of attention
+        times the change of the values."""
         extra = (None,) * (eps.dim() - 1)
         score = self.score_sensitivity[(slice(None), *extra, slice(None))]
         value = self.value_norm[(slice(None), *extra, slice(None))]
         rate = (score + eps[..., None] * self.score_weight_norm) / self.scale  # rho_l
-        quadratic = (self.kappa * self.score_weight_norm / self.scale * value
-                     + 0.5 * rate.square() * value + self.kappa * rate * self.value_weight_norm)
-        return eps.square() * quadratic.sum(dim=-1)
+        square = eps.square()
+        return {"scores": square * (self.kappa * self.score_weight_norm / self.scale
+                                    * value).sum(dim=-1),
+                "remainder": square * (0.5 * rate.square() * value).sum(dim=-1),
+                "values": square * (self.kappa * rate * self.value_weight_norm).sum(dim=-1)}
 
 
 def attention_probabilities(X: Tensor, w: AttentionSpec) -> Tensor:
