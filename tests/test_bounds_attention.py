@@ -1,6 +1,7 @@
 """LoFAST quantities of one attention block against independent dense references, and the
 whole bound against a projected-gradient-ascent attack on the block itself."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -813,13 +814,22 @@ def test_refined_delta_formula_and_monotonicity():
 
 
 @pytest.mark.parametrize("residual", [True, False])
-@pytest.mark.parametrize("row_norm", [1.0, 3.0])
-def test_second_order_terms_bound_the_nonlinear_part(residual, row_norm):
+@pytest.mark.parametrize("row_norm, shared", [(1.0, 0.0), (3.0, 0.0), (1.0, 3.0)])
+def test_second_order_terms_bound_the_nonlinear_part(residual, row_norm, shared):
     # ||F(X + G) - F(X) - J_X G|| <= second_order_terms(eps) for ||G|| <= eps (J_X by autograd),
-    # attacked with projected gradient ascent on G
+    # attacked with projected gradient ascent on G; with `shared`, every token also carries a
+    # common vector, which the centred ||C X B_l|| of the bound does not see
     w = make_weights(4, 16, 4, residual, seed=49, gain=3.0)
     X = make_tokens(2, 5, 16, row_norm, seed=50)
+    X = X + shared * make_tokens(1, 1, 16, 1.0, seed=52)
     sens = attention_sensitivity(X, w, score_bound="exact", softmax_jacobian=True, method=DENSE)
+    # the sharper forms are in use: centred value norms, the largest row of a score change
+    assert (sens.centered_value_norm <= sens.value_norm).all()
+    if shared:
+        assert (sens.centered_value_norm < 0.7 * sens.value_norm).all()
+    uncentred = dataclasses.replace(sens, centered_value_norm=None, row_score_sensitivity=None)
+    some = torch.full((2,), 0.3, dtype=torch.float64)
+    assert (sens.second_order_terms(some) < uncentred.second_order_terms(some)).all()
     clean = attention_forward(X, w)
 
     def nonlinear(G):

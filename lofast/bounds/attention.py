@@ -30,7 +30,11 @@ remainder carries 1/2; over rows, sum ||e_r||^4 <= (sum ||e_r||^2)^2. With
                           + eps^2 sum_l (kappa ||A_l|| ||X B_l|| / s + rho_l^2 ||X B_l|| / 2
                                          + kappa rho_l ||B_l||)
 
-with zeta_s = ||D_X||, D_X(G) = sum_l J_l(G A_l X^T + X A_l G^T) X B_l / s. It replaces the
+with zeta_s = ||D_X||, D_X(G) = sum_l J_l(G A_l X^T + X A_l G^T) X B_l / s. Two sharper
+forms of these terms are used (``AttentionSensitivity.second_order_parts``): the rows of
+J_l(.) and of R_l sum to zero, so ||X B_l|| in the first two may be that of the centred rows
+(I - 1 1^T / n) X B_l; and sum ||e_r||^4 <= max_r ||e_r||^2 ||E_l||_F^2, where a row of the
+score change is at most eps (||X A_l^T|| + max_r ||x_r A_l|| + eps ||A_l||) / s. It replaces the
 first-order part (kappa eps / s) sum_l m_l ||X B_l|| of delta_2, a product of norms, by the norm
 of the operator it bounds (often 10x smaller), at the price of terms in eps^2. Both bounds hold,
 so ``AttentionSensitivity.delta`` takes their minimum (still nondecreasing in eps).
@@ -103,7 +107,8 @@ from lofast.bounds.softmax_terms import (
     score_norm,
     softmax_first_order_norm,
 )
-from lofast.bounds.spectral import Guarantee, SpectralMethod, matrix_norm_upper
+from lofast.bounds.spectral import ROUNDING_MARGIN, Guarantee, SpectralMethod, matrix_norm_upper
+from lofast.bounds.verified import gamma
 
 # The softmax Jacobian diag(p) - p p^T has spectral norm <= 1/2 (Gershgorin), so no kappa below
 # 1/2 is a valid Lipschitz constant for every input.
@@ -268,6 +273,12 @@ class AttentionSensitivity:
     failure_probability: float = 0.0
     softmax_first_order: Tensor | None = None  # (B,) zeta_s >= ||D_X||: enables the refinement
     jacobian: Tensor | None = None  # (B,) >= ||T_X + D_X||, used by the refinement if given
+    # (B, h) >= ||(I - 1 1^T / n) X B_l||: J_l(.) and the softmax remainder have rows summing to
+    # zero, so they see X B_l only through its centred rows (value_norm where not given)
+    centered_value_norm: Tensor | None = None
+    # (B, h) >= ||X A_l^T|| + max_r ||x_r A_l||: with eps ||A_l|| added and divided by s, a bound
+    # on the largest row of a score change, max_r ||e_r|| / eps (rho_l where not given)
+    row_score_sensitivity: Tensor | None = None
 
     def delta(self, eps: Tensor) -> Tensor:
         """Bound on ||F(X') - F(X)||_F over ||X' - X||_F <= eps.
@@ -305,25 +316,41 @@ class AttentionSensitivity:
         return linear if self.jacobian is None else torch.minimum(linear, self.jacobian)
 
     def second_order_terms(self, eps: Tensor) -> Tensor:
-        """eps^2 sum_l (kappa ||A_l|| ||X B_l|| / s + rho_l^2 ||X B_l|| / 2 + kappa rho_l ||B_l||),
-        rho_l = (m_l + eps ||A_l||) / s: a bound on ||F(X') - F(X) - J_X (X' - X)||_F with J_X
-        the block's Jacobian at X (= T_X + D_X). eps (B,) or (B, E) float64 -> same shape."""
+        """A bound on ||F(X') - F(X) - J_X (X' - X)||_F with J_X the block's Jacobian at X
+        (= T_X + D_X): the sum of ``second_order_parts``. eps (B,) or (B, E) float64 -> same
+        shape."""
         return sum(self.second_order_parts(eps).values())
 
     def second_order_parts(self, eps: Tensor) -> dict[str, Tensor]:
-        """The three terms of ``second_order_terms``, each summed over heads (same shape as
-        eps): "scores" eps^2 kappa ||A_l|| ||X B_l|| / s, the quadratic part G A_l G^T of the
-        scores through the softmax Jacobian; "remainder" eps^2 rho_l^2 ||X B_l|| / 2, the
-        softmax's Taylor remainder; "values" eps^2 kappa rho_l ||B_l||, the change of attention
-        times the change of the values."""
+        """The three second-order terms of the refinement, each summed over heads (same shape as
+        eps), with rho_l = (m_l + eps ||A_l||) / s >= ||E_l||_F / eps, c_l = ||C X B_l|| for the
+        centring C = I - 1 1^T / n (rows of J_l(.) and of the remainder sum to zero, so
+        J_l(.) X B_l = J_l(.) C X B_l), and mu_l = min(rho_l, (||X A_l^T|| + max_r ||x_r A_l||
+        + eps ||A_l||) / s) >= max_r ||e_r|| / eps (row r of E_l is
+        (g_r A_l X^T + x_r A_l G^T + g_r A_l G^T) / s):
+
+        - "scores": eps^2 kappa ||A_l|| c_l / s, the quadratic part G A_l G^T of the scores
+          through the softmax Jacobian;
+        - "remainder": eps^2 rho_l mu_l c_l / 2, the softmax's Taylor remainder R_l: per row
+          ||R_r|| <= ||e_r||^2 / 2 (module docstring), so
+          ||R_l||_F <= (sum_r ||e_r||^4)^(1/2) / 2 <= max_r ||e_r|| ||E_l||_F / 2;
+        - "values": eps^2 kappa rho_l ||B_l||, the change of attention times the change of
+          the values.
+        """
         extra = (None,) * (eps.dim() - 1)
+        centered = (self.value_norm if self.centered_value_norm is None
+                    else self.centered_value_norm)[(slice(None), *extra, slice(None))]
         score = self.score_sensitivity[(slice(None), *extra, slice(None))]
-        value = self.value_norm[(slice(None), *extra, slice(None))]
-        rate = (score + eps[..., None] * self.score_weight_norm) / self.scale  # rho_l
+        quadratic = eps[..., None] * self.score_weight_norm
+        rate = (score + quadratic) / self.scale  # rho_l
+        row_rate = rate
+        if self.row_score_sensitivity is not None:
+            rows = self.row_score_sensitivity[(slice(None), *extra, slice(None))]
+            row_rate = torch.minimum(rate, (rows + quadratic) / self.scale)  # mu_l
         square = eps.square()
         return {"scores": square * (self.kappa * self.score_weight_norm / self.scale
-                                    * value).sum(dim=-1),
-                "remainder": square * (0.5 * rate.square() * value).sum(dim=-1),
+                                    * centered).sum(dim=-1),
+                "remainder": square * (0.5 * rate * row_rate * centered).sum(dim=-1),
                 "values": square * (self.kappa * rate * self.value_weight_norm).sum(dim=-1)}
 
 
@@ -437,12 +464,31 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
     guarantee = method.guarantee if matrix_free else Guarantee.EXACT
     failure = (matrix_free * method.failure_probability
                if guarantee is Guarantee.PROBABILISTIC else 0.0)
+    centered = rows_score = None
+    if softmax is not None:
+        centered = centered_norm(x_value_out)
+        rows_score = (matrix_norm_upper(x_score_t)
+                      + torch.linalg.vector_norm(x_score, dim=-1).amax(dim=-1)
+                      * (1.0 + ROUNDING_MARGIN))
     return AttentionSensitivity(zeta=zeta, score_sensitivity=score, value_norm=value_norm,
                                 score_weight_norm=score_weight_norm,
                                 value_weight_norm=value_weight_norm, scale=float(w.scale),
                                 kappa=float(kappa), guarantee=guarantee,
                                 failure_probability=failure, softmax_first_order=softmax,
-                                jacobian=jacobian)
+                                jacobian=jacobian, centered_value_norm=centered,
+                                row_score_sensitivity=rows_score)
+
+
+def centered_norm(Y: Tensor) -> Tensor:
+    """Upper bounds on ||(I - 1 1^T / n) Y|| for matrices Y (..., n, k), float64: the norm of
+    the computed centred matrix plus its rounding. Each computed entry is off by at most
+    gamma_(n+1) (|y_ij| + 2 max_i |y_ij|) <= 3 gamma_(n+1) max_i |y_ij| (the column mean is a
+    sum of n terms, then one subtraction), so the error matrix has Frobenius norm at most
+    3 gamma_(n+1) sqrt(n) ||Y||_F."""
+    n = Y.shape[-2]
+    centered = Y - Y.mean(dim=-2, keepdim=True)
+    rounding = 3.0 * gamma(n + 1) * math.sqrt(n) * torch.linalg.vector_norm(Y, dim=(-2, -1))
+    return matrix_norm_upper(centered) + rounding
 
 
 def _probabilities(X: Tensor, w: AttentionSpec) -> Tensor:
