@@ -857,6 +857,46 @@ def test_second_order_terms_bound_the_nonlinear_part(residual, row_norm, shared)
         assert (best > 1e-3 * bound).all()
 
 
+@pytest.mark.parametrize("shared", [0.0, 3.0])
+def test_remainder_term_bounds_the_softmax_remainder(shared):
+    # the "remainder" part alone bounds ||R X B|| with R = P(X + G) - P(X) - J(E), E the full
+    # change of the scaled scores, attacked with projected gradient ascent on G (one head, so
+    # the part is that head's term)
+    w = make_weights(1, 16, 8, True, seed=53, gain=6.0, bias_tokens=5)
+    X = make_tokens(2, 5, 16, 1.0, seed=54) + shared * make_tokens(1, 1, 16, 1.0, seed=55)
+    sens = attention_sensitivity(X, w, score_bound="exact", softmax_jacobian=True, method=DENSE)
+    probs = attention_probabilities(X, w)
+    x_value_out = torch.einsum("bnd,hde,hef->bhnf", X, w.value, w.output)
+
+    def scores(Z):
+        return torch.einsum("bnd,hde,hfe,bmf->bhnm", Z, w.query, w.key, Z) / w.scale
+
+    def remainder(G):
+        change = scores(X + G) - scores(X)
+        weighted = probs * change
+        jacobian = weighted - probs * weighted.sum(dim=-1, keepdim=True)
+        R = attention_probabilities(X + G, w) - probs - jacobian
+        return (R @ x_value_out).flatten(1).norm(dim=1)
+
+    g = torch.Generator().manual_seed(56)
+    for eps in (0.05, 0.2):
+        bound = sens.second_order_parts(torch.full((2,), eps, dtype=torch.float64))["remainder"]
+        best = torch.zeros(2, dtype=torch.float64)
+        for _ in range(3):
+            G = torch.randn(X.shape, generator=g, dtype=torch.float64)
+            G = G / G.flatten(1).norm(dim=1)[:, None, None] * eps
+            for step in range(60):
+                G.requires_grad_(True)
+                value = remainder(G)
+                (grad,) = torch.autograd.grad(value.sum(), G)
+                best = torch.maximum(best, value.detach())
+                with torch.no_grad():
+                    G = G + 0.2 * eps * grad / grad.flatten(1).norm(dim=1).clamp_min(1e-300)[:, None, None]
+                    G = G * (eps / G.flatten(1).norm(dim=1))[:, None, None]
+        assert (best <= bound).all(), (eps, best, bound)
+        assert (best > 1e-3 * bound).all(), (eps, best, bound)
+
+
 def coordinate_weights(h, d, dv, residual, seed, alpha=0.7, beta=0.6, gain=8.0, n=5):
     """Weights whose value paths are scaled projections on each head's own dv coordinates
     (``value_output=identity``; with h dv < d some coordinates are no head's), learned scores
