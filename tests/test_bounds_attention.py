@@ -220,12 +220,16 @@ def pgd_lower_bound(X, w, eps, restarts=6, steps=250, seed=0):
     return best.reshape(len(eps), restarts, batch).amax(dim=1).T
 
 
-@pytest.mark.parametrize("residual, row_norm, biased", [
-    (True, 0.1, False), (True, 1.0, False), (True, 2.0, False), (False, 0.1, False),
-    (False, 1.0, False), (False, 2.0, False), (True, 1.0, True), (False, 2.0, True)])
-def test_delta_dominates_pgd(residual, row_norm, biased):
+@pytest.mark.parametrize("residual, row_norm, biased, shared", [
+    (True, 0.1, False, 0.0), (True, 1.0, False, 0.0), (True, 2.0, False, 0.0),
+    (False, 0.1, False, 0.0), (False, 1.0, False, 0.0), (False, 2.0, False, 0.0),
+    (True, 1.0, True, 0.0), (False, 2.0, True, 0.0), (True, 1.0, False, 2.0),
+    (False, 0.5, True, 2.0)])
+def test_delta_dominates_pgd(residual, row_norm, biased, shared):
+    # with `shared`, every token also carries a common vector: the centred score and value
+    # norms of the bound do not see it, the attack does
     w = make_weights(4, 16, 4, residual, seed=17, bias_tokens=5 if biased else None)
-    X = make_tokens(3, 5, 16, row_norm, seed=18)
+    X = make_tokens(3, 5, 16, row_norm, seed=18) + shared * make_tokens(1, 1, 16, 1.0, seed=57)
     attack = pgd_lower_bound(X, w, EPS)
     assert (attack > 0.5 * EPS).all()  # the attack really moved the output
     eps = EPS[None].expand(3, -1)
@@ -235,6 +239,15 @@ def test_delta_dominates_pgd(residual, row_norm, biased):
             sens = attention_sensitivity(X, w, kappa=kappa, first_order=first,
                                          score_bound=score_bound, method=DENSE)
             assert (sens.delta(eps) >= attack).all(), (kappa, first, score_bound)
+            assert (sens.centered_score_sensitivity <= sens.score_sensitivity).all()
+            if shared:  # the centred forms are in use, and they matter here (the exact m_l is
+                # often below the centred relaxation ||C X A_l^T|| + ||X A_l||, xi_l never)
+                if score_bound == "relaxed":
+                    assert (sens.centered_score_sensitivity < sens.score_sensitivity).all()
+                assert (sens.centered_value_norm <= sens.value_norm).all()
+                uncentred = dataclasses.replace(sens, centered_score_sensitivity=None,
+                                                centered_value_norm=None)
+                assert (sens.delta(eps) < 0.8 * uncentred.delta(eps)).all()
 
 
 @pytest.mark.parametrize("residual", [True, False])
@@ -827,7 +840,8 @@ def test_second_order_terms_bound_the_nonlinear_part(residual, row_norm, shared)
     assert (sens.centered_value_norm <= sens.value_norm).all()
     if shared:
         assert (sens.centered_value_norm < 0.7 * sens.value_norm).all()
-    uncentred = dataclasses.replace(sens, centered_value_norm=None, row_score_sensitivity=None)
+    uncentred = dataclasses.replace(sens, centered_value_norm=None, row_score_sensitivity=None,
+                                    centered_score_sensitivity=None)
     some = torch.full((2,), 0.3, dtype=torch.float64)
     assert (sens.second_order_terms(some) < uncentred.second_order_terms(some)).all()
     clean = attention_forward(X, w)

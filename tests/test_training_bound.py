@@ -92,8 +92,11 @@ def test_explicit_norms_equal_the_certifiers():
     tokens = torch.randn(4, 5, d, generator=g, dtype=torch.float64) / d ** 0.5
     exact = attention_sensitivity(tokens, w, score_bound="relaxed", method=DENSE)
     estimate, _ = attention_sensitivity_estimate(tokens, w, iterations=1)
-    for name in ("score_sensitivity", "value_norm", "score_weight_norm", "value_weight_norm"):
+    for name in ("score_sensitivity", "value_norm", "score_weight_norm", "value_weight_norm",
+                 "centered_score_sensitivity", "centered_value_norm"):
         assert torch.allclose(getattr(estimate, name), getattr(exact, name), rtol=1e-6), name
+    # Gaussian tokens share no common vector, yet centring takes something off
+    assert (exact.centered_score_sensitivity < exact.score_sensitivity).all()
 
 
 def test_softmax_first_order_estimate_converges_to_the_certifiers():

@@ -34,7 +34,18 @@ with zeta_s = ||D_X||, D_X(G) = sum_l J_l(G A_l X^T + X A_l G^T) X B_l / s. Two 
 forms of these terms are used (``AttentionSensitivity.second_order_parts``): the rows of
 J_l(.) and of R_l sum to zero, so ||X B_l|| in the first two may be that of the centred rows
 (I - 1 1^T / n) X B_l; and sum ||e_r||^4 <= max_r ||e_r||^2 ||E_l||_F^2, where a row of the
-score change is at most eps (||X A_l^T|| + max_r ||x_r A_l|| + eps ||A_l||) / s. It replaces the
+score change is at most eps (||X A_l^T|| + max_r ||x_r A_l|| + eps ||A_l||) / s.
+
+Centred scores. The row softmax does not see a change common to a row of scores:
+p(s + e) = p(s + e - c 1) for every c, and J 1 = 0, so P_l(X'), J_l(E_l) and R_l are the same
+for E_l and E_l C with C = I - 1 1^T / n acting on the keys' side. Every bound above that passes
+E_l through the softmax may therefore use ||E_l C||_F <= eps (m_l^c + eps ||A_l||) / s with
+m_l^c >= ||G -> M_l(G) C||, which is at most m_l (||C|| = 1) and at most ||C X A_l^T|| + ||X A_l||
+(G A_l X^T C = G (C X A_l^T)^T, ||X A_l G^T C||_F <= ||X A_l|| ||G||_F), and a row of E_l C is
+at most eps (||C X A_l^T|| + max_r ||x_r A_l|| + eps ||A_l||) / s. Tokens that share a common
+vector (the usual case after a projection) have ||C X A_l^T|| below ||X A_l^T||. In the
+Lipschitz form, (P_l(X') - P_l) X' B_l = (P_l(X') - P_l) C X' B_l likewise sees only the
+centred values, ||C X' B_l|| <= ||C X B_l|| + eps ||B_l||. The refinement replaces the
 first-order part (kappa eps / s) sum_l m_l ||X B_l|| of delta_2, a product of norms, by the norm
 of the operator it bounds (often 10x smaller), at the price of terms in eps^2. Both bounds hold,
 so ``AttentionSensitivity.delta`` takes their minimum (still nondecreasing in eps).
@@ -276,15 +287,21 @@ class AttentionSensitivity:
     # (B, h) >= ||(I - 1 1^T / n) X B_l||: J_l(.) and the softmax remainder have rows summing to
     # zero, so they see X B_l only through its centred rows (value_norm where not given)
     centered_value_norm: Tensor | None = None
-    # (B, h) >= ||X A_l^T|| + max_r ||x_r A_l||: with eps ||A_l|| added and divided by s, a bound
-    # on the largest row of a score change, max_r ||e_r|| / eps (rho_l where not given)
+    # (B, h) >= ||C X A_l^T|| + max_r ||x_r A_l||: with eps ||A_l|| added and divided by s, a
+    # bound on the largest centred row of a score change, max_r ||e_r C|| / eps (rho_l where not
+    # given)
     row_score_sensitivity: Tensor | None = None
+    # (B, h) m_l^c >= ||G -> M_l(G) C||, at most score_sensitivity: the softmax does not see a
+    # change common to a row of scores, so every term that passes E_l through it may take the
+    # centred change E_l C (score_sensitivity where not given; module docstring)
+    centered_score_sensitivity: Tensor | None = None
 
     def delta(self, eps: Tensor) -> Tensor:
         """Bound on ||F(X') - F(X)||_F over ||X' - X||_F <= eps.
 
         eps: (B,) or (B, E) radii >= 0. Returns the same shape:
-        zeta eps + sum_l (kappa eps / s)(m_l + eps ||A_l||)(||X B_l|| + eps ||B_l||), a
+        zeta eps + sum_l (kappa eps / s)(m_l^c + eps ||A_l||)(c_l + eps ||B_l||) (m_l^c the
+        centred score sensitivity, c_l >= ||C X B_l||, each the uncentred norm where not given), a
         polynomial in eps with nonnegative coefficients, hence nondecreasing in eps; with
         ``softmax_first_order`` set, the minimum of that and the second-order refinement (see
         the module docstring), also nondecreasing.
@@ -295,8 +312,8 @@ class AttentionSensitivity:
         eps = eps.to(device=self.zeta.device, dtype=torch.float64)  # float64 whatever the inputs
         extra = (None,) * (eps.dim() - 1)  # broadcast the per-sample quantities over E
         zeta = self.zeta[(slice(None), *extra)]
-        score = self.score_sensitivity[(slice(None), *extra, slice(None))]
-        value = self.value_norm[(slice(None), *extra, slice(None))]
+        score = self._per_sample(self.centered_scores, extra)
+        value = self._per_sample(self.centered_values, extra)
         e = eps[..., None]
         second = (score + e * self.score_weight_norm) * (value + e * self.value_weight_norm)
         lipschitz = zeta * eps + (self.kappa / self.scale) * eps * second.sum(dim=-1)
@@ -315,6 +332,22 @@ class AttentionSensitivity:
         linear = self.zeta + self.softmax_first_order
         return linear if self.jacobian is None else torch.minimum(linear, self.jacobian)
 
+    @property
+    def centered_scores(self) -> Tensor:
+        """(B, h) m_l^c, the centred score sensitivity (m_l where not given)."""
+        return (self.score_sensitivity if self.centered_score_sensitivity is None
+                else self.centered_score_sensitivity)
+
+    @property
+    def centered_values(self) -> Tensor:
+        """(B, h) c_l >= ||C X B_l|| (||X B_l|| where not given)."""
+        return self.value_norm if self.centered_value_norm is None else self.centered_value_norm
+
+    @staticmethod
+    def _per_sample(values: Tensor, extra: tuple) -> Tensor:
+        """(B, h) -> (B, *extra, h): broadcast over the radii of a (B, E) eps."""
+        return values[(slice(None), *extra, slice(None))]
+
     def second_order_terms(self, eps: Tensor) -> Tensor:
         """A bound on ||F(X') - F(X) - J_X (X' - X)||_F with J_X the block's Jacobian at X
         (= T_X + D_X): the sum of ``second_order_parts``. eps (B,) or (B, E) float64 -> same
@@ -323,29 +356,29 @@ class AttentionSensitivity:
 
     def second_order_parts(self, eps: Tensor) -> dict[str, Tensor]:
         """The three second-order terms of the refinement, each summed over heads (same shape as
-        eps), with rho_l = (m_l + eps ||A_l||) / s >= ||E_l||_F / eps, c_l = ||C X B_l|| for the
-        centring C = I - 1 1^T / n (rows of J_l(.) and of the remainder sum to zero, so
-        J_l(.) X B_l = J_l(.) C X B_l), and mu_l = min(rho_l, (||X A_l^T|| + max_r ||x_r A_l||
-        + eps ||A_l||) / s) >= max_r ||e_r|| / eps (row r of E_l is
+        eps), with rho_l = (m_l^c + eps ||A_l||) / s >= ||E_l C||_F / eps for the centring
+        C = I - 1 1^T / n (the softmax, its Jacobian and its remainder see E_l only as E_l C),
+        c_l = ||C X B_l|| (rows of J_l(.) and of the remainder sum to zero, so
+        J_l(.) X B_l = J_l(.) C X B_l), and mu_l = min(rho_l, (||C X A_l^T|| + max_r ||x_r A_l||
+        + eps ||A_l||) / s) >= max_r ||e_r C|| / eps (row r of E_l is
         (g_r A_l X^T + x_r A_l G^T + g_r A_l G^T) / s):
 
         - "scores": eps^2 kappa ||A_l|| c_l / s, the quadratic part G A_l G^T of the scores
           through the softmax Jacobian;
         - "remainder": eps^2 rho_l mu_l c_l / 2, the softmax's Taylor remainder R_l: per row
-          ||R_r|| <= ||e_r||^2 / 2 (module docstring), so
-          ||R_l||_F <= (sum_r ||e_r||^4)^(1/2) / 2 <= max_r ||e_r|| ||E_l||_F / 2;
+          ||R_r|| <= ||e_r C||^2 / 2 (module docstring), so
+          ||R_l||_F <= (sum_r ||e_r C||^4)^(1/2) / 2 <= max_r ||e_r C|| ||E_l C||_F / 2;
         - "values": eps^2 kappa rho_l ||B_l||, the change of attention times the change of
           the values.
         """
         extra = (None,) * (eps.dim() - 1)
-        centered = (self.value_norm if self.centered_value_norm is None
-                    else self.centered_value_norm)[(slice(None), *extra, slice(None))]
-        score = self.score_sensitivity[(slice(None), *extra, slice(None))]
+        centered = self._per_sample(self.centered_values, extra)
+        score = self._per_sample(self.centered_scores, extra)
         quadratic = eps[..., None] * self.score_weight_norm
         rate = (score + quadratic) / self.scale  # rho_l
         row_rate = rate
         if self.row_score_sensitivity is not None:
-            rows = self.row_score_sensitivity[(slice(None), *extra, slice(None))]
+            rows = self._per_sample(self.row_score_sensitivity, extra)
             row_rate = torch.minimum(rate, (rows + quadratic) / self.scale)  # mu_l
         square = eps.square()
         return {"scores": square * (self.kappa * self.score_weight_norm / self.scale
@@ -464,19 +497,21 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
     guarantee = method.guarantee if matrix_free else Guarantee.EXACT
     failure = (matrix_free * method.failure_probability
                if guarantee is Guarantee.PROBABILISTIC else 0.0)
-    centered = rows_score = None
+    # the centred norms of the module docstring's "centred scores"
+    centered_scores_t = centered_norm(x_score_t)  # >= ||C X A_l^T||
+    centered_score = torch.minimum(score, centered_scores_t + matrix_norm_upper(x_score))
+    rows_score = None
     if softmax is not None:
-        centered = centered_norm(x_value_out)
-        rows_score = (matrix_norm_upper(x_score_t)
-                      + torch.linalg.vector_norm(x_score, dim=-1).amax(dim=-1)
+        rows_score = (centered_scores_t + torch.linalg.vector_norm(x_score, dim=-1).amax(dim=-1)
                       * (1.0 + ROUNDING_MARGIN))
     return AttentionSensitivity(zeta=zeta, score_sensitivity=score, value_norm=value_norm,
                                 score_weight_norm=score_weight_norm,
                                 value_weight_norm=value_weight_norm, scale=float(w.scale),
                                 kappa=float(kappa), guarantee=guarantee,
                                 failure_probability=failure, softmax_first_order=softmax,
-                                jacobian=jacobian, centered_value_norm=centered,
-                                row_score_sensitivity=rows_score)
+                                jacobian=jacobian, centered_value_norm=centered_norm(x_value_out),
+                                row_score_sensitivity=rows_score,
+                                centered_score_sensitivity=centered_score)
 
 
 def centered_norm(Y: Tensor) -> Tensor:

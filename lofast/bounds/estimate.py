@@ -131,8 +131,10 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
     # formed from (n, dh) products instead of (n, d) ones
     x_score_t = x_key @ row_space_factor(query.mT)  # X A_l^T up to an isometry on the right
     x_score = x_query @ row_space_factor(key.mT)  # X A_l, likewise (row norms kept)
-    score_t_norm = top_singular_value_estimate(x_score_t)  # (B, h)
-    score = score_t_norm + top_singular_value_estimate(x_score)
+    x_score_norm = top_singular_value_estimate(x_score)  # (B, h)
+    score = top_singular_value_estimate(x_score_t) + x_score_norm
+    # ||C X A_l^T||, C = I - 1 1^T / n: the centred scores of the certifier (same isometry)
+    centered_score_t = top_singular_value_estimate(x_score_t - x_score_t.mean(dim=-2, keepdim=True))
     x_value_factor = x_value @ row_space_factor(output)  # X B_l, likewise
     value_norm = top_singular_value_estimate(x_value_factor)  # (B, h) ||X B_l||
     softmax = None
@@ -154,9 +156,10 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
         score_weight_norm=product_norm(query, key.mT),
         value_weight_norm=product_norm(value, output), scale=float(w.scale),
         kappa=float(kappa), guarantee=Guarantee.ESTIMATE, softmax_first_order=softmax,
-        centered_value_norm=None if softmax is None else top_singular_value_estimate(
+        centered_value_norm=top_singular_value_estimate(
             x_value_factor - x_value_factor.mean(dim=-2, keepdim=True)),
         row_score_sensitivity=None if softmax is None else (
-            score_t_norm + torch.linalg.vector_norm(x_score, dim=-1).amax(dim=-1)))
+            centered_score_t + torch.linalg.vector_norm(x_score, dim=-1).amax(dim=-1)),
+        centered_score_sensitivity=torch.minimum(score, centered_score_t + x_score_norm))
     return sensitivity, torch.stack(vectors, dim=1).detach()
 
