@@ -30,7 +30,8 @@ import time
 import torch
 from live_attention import with_live_attention  # beside this script
 
-from lofast.bounds.attention import AttentionSpec, attention_sensitivity
+from lofast.bounds.attention import attention_sensitivity
+from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.spectral import SpectralMethod
 from lofast.certificate import BOUND_TERMS, Certifier, CertifySettings
 from lofast.checkpoint import default_checkpoint_path, load_checkpoint

@@ -37,7 +37,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from lofast.bounds.attention import AttentionSpec, attention_probabilities
+from lofast.bounds.attention import attention_probabilities
+from lofast.bounds.attention_spec import AttentionSpec
 from lofast.certificate import Certifier, CertifySettings
 from lofast.config import Weights
 from lofast.errors import CertificationError

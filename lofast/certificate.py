@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lofast.bounds.attention import AttentionSensitivity, AttentionSpec, attention_sensitivity
+from lofast.bounds.attention import AttentionSensitivity, attention_sensitivity
+from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.compose import RadiusMap, certified_radius, head_certified, propagate
 from lofast.bounds.spectral import (
     Guarantee,

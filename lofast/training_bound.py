@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lofast.bounds.attention import AttentionSpec
+from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.compose import RadiusMap, propagate
 from lofast.bounds.estimate import attention_sensitivity_estimate, top_singular_value
 from lofast.bounds.stages import radius_maps

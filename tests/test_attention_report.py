@@ -9,7 +9,8 @@ import torch
 from click.testing import CliRunner
 
 from lofast.attention_report import ablate_attention, attention_report, mean_attention
-from lofast.bounds.attention import AttentionSpec, attention_probabilities
+from lofast.bounds.attention import attention_probabilities
+from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.spectral import SpectralMethod
 from lofast.certificate import Certifier, CertifySettings
 from lofast.checkpoint import save_checkpoint

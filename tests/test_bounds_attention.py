@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from lofast.bounds import attention, first_order, near_reference, softmax_terms
+from lofast.bounds import attention, attention_spec, first_order, near_reference, softmax_terms
 from lofast.bounds.attention import (
     AttentionSensitivity,
-    AttentionSpec,
     attention_forward,
     attention_probabilities,
     attention_sensitivity,
 )
+from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.first_order import (
     REFERENCE_SLACK,
     first_order_factors,
@@ -618,7 +618,7 @@ def test_verified_zeta_skips_the_gram_near_the_reference(monkeypatch, biased):
         return real_lanczos(gram, start, steps)
 
     real_lanczos = first_order.lanczos_ritz
-    for module in (attention, first_order):  # both call it
+    for module in (attention_spec, first_order):  # both call it
         monkeypatch.setattr(module, "first_order_negated_gram", no_gram)
     monkeypatch.setattr(first_order, "lanczos_ritz", rayleigh_quotient_only)
     zeta = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
@@ -654,7 +654,7 @@ def test_verified_zeta_takes_the_better_bound_per_sample(monkeypatch, deflated):
         return (torch.full((batch,), math.inf, dtype=torch.float64),
                 torch.zeros(batch, dtype=torch.float64))
 
-    for module in (attention, first_order):  # both call it
+    for module in (attention_spec, first_order):  # both call it
         monkeypatch.setattr(module, "first_order_negated_gram", counting)
     monkeypatch.setattr(first_order, "lanczos_ritz", counting_lanczos)
     if not deflated:

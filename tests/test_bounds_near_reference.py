@@ -16,7 +16,7 @@ from test_bounds_attention import (
     with_score_gain,
 )
 
-from lofast.bounds import attention, first_order, near_reference
+from lofast.bounds import attention, attention_spec, first_order, near_reference
 from lofast.bounds.attention import (
     attention_forward,
     attention_probabilities,
@@ -225,7 +225,7 @@ def test_verified_sensitivity_near_the_reference(monkeypatch, biased):
     def refuse(*args, **kwargs):
         raise AssertionError("no per-sample Gram matrix near the reference")
 
-    for module in (attention, first_order):  # both call it
+    for module in (attention_spec, first_order):  # both call it
         monkeypatch.setattr(module, "first_order_negated_gram", refuse)
     for module in (attention, near_reference):  # the direct path and the verified one
         monkeypatch.setattr(module, "softmax_first_order_norm", refuse)

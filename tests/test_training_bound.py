@@ -5,7 +5,8 @@ import copy
 import pytest
 import torch
 
-from lofast.bounds.attention import AttentionSpec, attention_sensitivity
+from lofast.bounds.attention import attention_sensitivity
+from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.compose import ProjectionStep
 from lofast.bounds.estimate import (
     attention_sensitivity_estimate,

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lofast.bounds.attention import TIGHT_KAPPA, AttentionSensitivity, AttentionSpec
+from lofast.bounds.attention import TIGHT_KAPPA, AttentionSensitivity
+from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.first_order import first_order_maps
 from lofast.bounds.krylov import LinearMap, power_iterate
 from lofast.bounds.near_reference import SOFTMAX_NEGLIGIBLE

@@ -46,11 +46,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.deflation import LARGE_DEFLATION, Deflation, deflated_norm_bound
 from lofast.bounds.first_order import (
     as_float64,
@@ -60,9 +60,6 @@ from lofast.bounds.first_order import (
 from lofast.bounds.softmax_terms import softmax_first_order_norm
 from lofast.bounds.spectral import SpectralMethod, matrix_norm_upper
 from lofast.bounds.verified import gamma
-
-if TYPE_CHECKING:  # bounds.attention imports this module
-    from lofast.bounds.attention import AttentionSpec
 
 # The second-order refinement computes ||D_X|| only where its cheap upper bound exceeds this
 # fraction of zeta (below it, the refinement could change the bound by less than that fraction).

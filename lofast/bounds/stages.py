@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from lofast.bounds.attention import AttentionSpec
+from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.compose import LipschitzStep, ProjectionStep, RadiusMap
 from lofast.bounds.spectral import matrix_norm_upper
 from lofast.bounds.verified import gamma, gram_with_error, verified_gram_norm
@@ -74,7 +74,7 @@ class HeadSpec:
     bias: Tensor  # (num_classes,)
 
 
-# AttentionSpec (``bounds.attention``): F(X) = H X + sum_l softmax(X A_l X^T / s + C_l) X B_l.
+# AttentionSpec (``bounds.attention_spec``): F(X) = H X + sum_l softmax(X A_l X^T / s + C_l) X B_l.
 StageSpec = EmbedSpec | ProjectSpec | AttentionSpec | SLLSpec | PoolSpec | HeadSpec
 
 

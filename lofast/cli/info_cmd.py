@@ -44,7 +44,7 @@ def info(checkpoint: Path, data_path, sample, dataset, split, limit, eps_values,
     model with every P_l(X) replaced by its mean (clean accuracy, predictions changed, and with
     --eps certified accuracy of both models).
     """
-    from lofast.bounds.attention import AttentionSpec
+    from lofast.bounds.attention_spec import AttentionSpec
     from lofast.bounds.spectral import matrix_norm_upper
     from lofast.bounds.stages import stage_lipschitz
     from lofast.checkpoint import load_checkpoint, read_metadata

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lofast.bounds.attention import AttentionSpec
+from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.estimate import top_singular_value_estimate
 from lofast.bounds.stages import EmbedSpec, HeadSpec, PoolSpec, ProjectSpec, SLLSpec
 from lofast.config import Pooling

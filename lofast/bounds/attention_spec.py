@@ -1,0 +1,168 @@
+"""The weights of one attention block and what is computed from them once per block.
+
+``AttentionSpec`` is the contract between the models and the bounds for attention: the models
+build it from their parameters, the bounds read it (``bounds.attention``,
+``bounds.near_reference``). Its cached properties are the per-block quantities of those bounds
+(weight norms, the reference attention and its verified first-order norm, the deflations of
+the reference Jacobian), computed once however many samples follow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lofast.bounds.deflation import LARGE_DEFLATION, Deflation, deflate_gram
+from lofast.bounds.first_order import (
+    CoordinateValues,
+    FirstOrderFactors,
+    as_float64,
+    coordinate_values,
+    first_order_factors,
+    first_order_gram,
+    first_order_negated_gram,
+    uniform_mix_norm,
+    verified_reference_norm,
+)
+from lofast.bounds.spectral import matrix_norm_upper
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Weights of one attention block, per head l = 1..h.
+
+    query, key: (h, d, dh) Wq_l, Wk_l; value: (h, d, dv) Wv_l; output: (h, dv, d) Wo_l;
+    residual: H = I if True else H = 0; scale: s, the score divisor (sqrt(d/h) usually);
+    position_bias: None or (h, n, n) C_l, added to the scaled scores (the block then takes
+    exactly n tokens).
+    """
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    output: Tensor
+    residual: bool
+    scale: float
+    position_bias: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        shapes = {name: tuple(getattr(self, name).shape)
+                  for name in ("query", "key", "value", "output")}
+        if any(len(shape) != 3 for shape in shapes.values()):
+            raise ValueError(f"attention weights must be 3-d (h, ., .), got {shapes}")
+        h, d, dh = shapes["query"]
+        dv = shapes["value"][2]
+        expected = {"query": (h, d, dh), "key": (h, d, dh), "value": (h, d, dv),
+                    "output": (h, dv, d)}
+        if shapes != expected or min(h, d, dh, dv) < 1:
+            raise ValueError(f"inconsistent attention weight shapes {shapes}; expected "
+                             "query, key (h, d, dh), value (h, d, dv), output (h, dv, d)")
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"attention scale must be positive and finite, got {self.scale}")
+        bias = self.position_bias
+        if bias is not None:
+            if bias.dim() != 3 or bias.shape[0] != h or bias.shape[1] != bias.shape[2]:
+                raise ValueError(f"position bias must be (h, n, n) with h = {h}, got "
+                                 f"{tuple(bias.shape)}")
+            if not bool(torch.isfinite(bias).all()):
+                raise ValueError("position bias contains NaN or infinity")
+
+    @property
+    def heads(self) -> int:
+        return self.query.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.query.shape[1]
+
+    def score_matrices(self) -> Tensor:
+        """A_l = Wq_l Wk_l^T, (h, d, d) float64."""
+        return as_float64(self.query) @ as_float64(self.key).mT
+
+    def value_matrices(self) -> Tensor:
+        """B_l = Wv_l Wo_l, (h, d, d) float64 (matrix-vector products use the factors)."""
+        return as_float64(self.value) @ as_float64(self.output)
+
+    # Weights-only quantities, computed once per AttentionSpec (a certifier keeps one per
+    # block, so once per model) on the weights' device. The tensors must not change afterwards.
+    @functools.cached_property
+    def weight_norms(self) -> tuple[Tensor, Tensor]:
+        """Deterministic upper bounds (||A_l||, ||B_l||), (h,) float64 each."""
+        return matrix_norm_upper(self.score_matrices()), matrix_norm_upper(self.value_matrices())
+
+    @functools.cached_property
+    def reference_probabilities(self) -> Tensor | None:
+        """R_l = row_softmax(C_l) (h, n, n) float64, the attention of vanishing scores; None
+        without a position bias (R_l = U then, whose n follows the tokens)."""
+        if self.position_bias is None:
+            return None
+        return torch.softmax(as_float64(self.position_bias), dim=-1)
+
+    @functools.cached_property
+    def reference_first_order(self) -> tuple[Tensor, Tensor | None]:
+        """A deterministic upper bound on ||T_R|| (module docstring), a float64 scalar tensor,
+        and a unit vector (n d,) near T_R's top right singular vector (None for R = U, where
+        the verified zeta's own start 1 (x) v / sqrt(n) is exact)."""
+        if self.reference_probabilities is not None:
+            return verified_reference_norm(self.reference_probabilities,
+                                           self.first_order_factors)
+        norm = uniform_mix_norm(as_float64(self.value), as_float64(self.output), self.residual)
+        return torch.clamp(norm, min=1.0 if self.residual else 0.0), None
+
+    @functools.cached_property
+    def coordinate_values(self) -> CoordinateValues | None:
+        """The value paths' structure when each is a scaled projection on the head's own
+        coordinates (``first_order.coordinate_values``): zeta then has a closed form."""
+        return coordinate_values(as_float64(self.value), as_float64(self.output))
+
+    @functools.cached_property
+    def first_order_factors(self) -> FirstOrderFactors:
+        """The weights-only part of the verified zeta computation."""
+        return first_order_factors(as_float64(self.value), as_float64(self.output), self.residual)
+
+    @functools.cached_property
+    def stacked_norms(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Deterministic upper bounds (||Wq||, ||Wk||, ||Wv||, ||Wo||) on the whole matrices
+        Wq = [Wq_1 ... Wq_h] (d, h dh), likewise Wk and Wv, and Wo = [Wo_1; ...; Wo_h]
+        (h dv, d), float64 scalars."""
+        d = self.width
+        side = [matrix_norm_upper(as_float64(t).permute(1, 0, 2).reshape(d, -1))
+                for t in (self.query, self.key, self.value)]
+        return (*side, matrix_norm_upper(as_float64(self.output).reshape(-1, d)))
+
+    @functools.cached_property
+    def jacobian_weights(self) -> tuple[Tensor, Tensor]:
+        """[Wv_1 .. Wv_h | Wq_1 .. Wq_h | Wk_1 .. Wk_h] (d, h (dv + 2 dh)) and
+        Wo = [Wo_1; ...; Wo_h] (h dv, d), float64: the weights of ``near_reference``'s products."""
+        d = self.value.shape[1]
+        columns = [as_float64(t).permute(1, 0, 2).reshape(d, -1)
+                   for t in (self.value, self.query, self.key)]
+        return torch.cat(columns, dim=1).contiguous(), as_float64(self.output).reshape(-1, d)
+
+    @functools.cached_property
+    def _deflations(self) -> dict[tuple[int, bool], Deflation]:
+        return {}
+
+    def deflation(self, tokens: int, large: bool = False) -> Deflation:
+        """``deflation.deflate_gram`` of the reference T_R for ``tokens`` tokens (R_l, or
+        fl(1/n) for U, whose rounding the deviation bound covers), complement in the units of
+        T_R; with ``large``, of size LARGE_DEFLATION. Computed once per token count and size
+        (from the Kronecker Gram of the verified zeta)."""
+        if (tokens, large) not in self._deflations:
+            f = self.first_order_factors
+            reference = self.reference_probabilities
+            if reference is None:
+                reference = torch.full((self.heads, tokens, tokens), 1.0 / tokens,
+                                       dtype=torch.float64, device=self.value.device)
+            negated, error = first_order_negated_gram(reference[None], f)
+            deflation = deflate_gram(negated[0], float(error[0]),
+                                     first_order_gram(reference[None], f),
+                                     LARGE_DEFLATION if large else None)
+            self._deflations[tokens, large] = dataclasses.replace(
+                deflation, complement=deflation.complement * f.unit)
+        return self._deflations[tokens, large]
