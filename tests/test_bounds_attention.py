@@ -826,6 +826,24 @@ def test_refined_delta_formula_and_monotonicity():
     assert (values[:, 1:] >= values[:, :-1]).all() and values[0, 0] == 0
 
 
+def sphere_pgd_maximum(objective, X, eps, generator, restarts=3, steps=60):
+    """max over restarts of objective(G) (B,) for perturbations G of X's shape (B, n, d) on the
+    sphere ||G||_F = eps, by normalised gradient ascent with projection back onto it."""
+    best = torch.zeros(X.shape[0], dtype=torch.float64)
+    for _ in range(restarts):
+        G = torch.randn(X.shape, generator=generator, dtype=torch.float64)
+        G = G / G.flatten(1).norm(dim=1)[:, None, None] * eps
+        for _ in range(steps):
+            G.requires_grad_(True)
+            value = objective(G)
+            (grad,) = torch.autograd.grad(value.sum(), G)
+            best = torch.maximum(best, value.detach())
+            with torch.no_grad():
+                G = G + 0.2 * eps * grad / grad.flatten(1).norm(dim=1).clamp_min(1e-300)[:, None, None]
+                G = G * (eps / G.flatten(1).norm(dim=1))[:, None, None]
+    return best
+
+
 @pytest.mark.parametrize("residual", [True, False])
 @pytest.mark.parametrize("row_norm, shared", [(1.0, 0.0), (3.0, 0.0), (1.0, 3.0)])
 def test_second_order_terms_bound_the_nonlinear_part(residual, row_norm, shared):
@@ -853,18 +871,7 @@ def test_second_order_terms_bound_the_nonlinear_part(residual, row_norm, shared)
     g = torch.Generator().manual_seed(51)
     for eps in (0.05, 0.3, 1.0):
         bound = sens.second_order_terms(torch.full((2,), eps, dtype=torch.float64))
-        best = torch.zeros(2, dtype=torch.float64)
-        for _ in range(3):
-            G = torch.randn(X.shape, generator=g, dtype=torch.float64)
-            G = G / G.flatten(1).norm(dim=1)[:, None, None] * eps
-            for step in range(60):
-                G.requires_grad_(True)
-                value = nonlinear(G)
-                (grad,) = torch.autograd.grad(value.sum(), G)
-                best = torch.maximum(best, value.detach())
-                with torch.no_grad():
-                    G = G + 0.2 * eps * grad / grad.flatten(1).norm(dim=1).clamp_min(1e-300)[:, None, None]
-                    G = G * (eps / G.flatten(1).norm(dim=1))[:, None, None]
+        best = sphere_pgd_maximum(nonlinear, X, eps, g)
         assert (best <= bound).all(), (eps, best, bound)
         # the attack found a real nonlinear part; the bound, a sum of products of norms, is
         # 50-250x above it on these random weights (loose, but only ever used at second order)
@@ -895,18 +902,7 @@ def test_remainder_term_bounds_the_softmax_remainder(shared):
     g = torch.Generator().manual_seed(56)
     for eps in (0.05, 0.2):
         bound = sens.second_order_parts(torch.full((2,), eps, dtype=torch.float64))["remainder"]
-        best = torch.zeros(2, dtype=torch.float64)
-        for _ in range(3):
-            G = torch.randn(X.shape, generator=g, dtype=torch.float64)
-            G = G / G.flatten(1).norm(dim=1)[:, None, None] * eps
-            for step in range(60):
-                G.requires_grad_(True)
-                value = remainder(G)
-                (grad,) = torch.autograd.grad(value.sum(), G)
-                best = torch.maximum(best, value.detach())
-                with torch.no_grad():
-                    G = G + 0.2 * eps * grad / grad.flatten(1).norm(dim=1).clamp_min(1e-300)[:, None, None]
-                    G = G * (eps / G.flatten(1).norm(dim=1))[:, None, None]
+        best = sphere_pgd_maximum(remainder, X, eps, g)
         assert (best <= bound).all(), (eps, best, bound)
         assert (best > 1e-3 * bound).all(), (eps, best, bound)
 
