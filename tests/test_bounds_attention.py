@@ -826,6 +826,33 @@ def test_refined_delta_formula_and_monotonicity():
     assert (values[:, 1:] >= values[:, :-1]).all() and values[0, 0] == 0
 
 
+@pytest.mark.parametrize("score_bound", ["exact", "relaxed"])
+@pytest.mark.parametrize("shared", [0.0, 3.0])
+def test_centred_score_terms_bound_their_dense_operators(score_bound, shared):
+    # the centred score sensitivity bounds ||G -> M_l(G) C|| and the row term bounds every row
+    # of it, C = I - 1 1^T / n, both against the dense float64 matrices of these linear maps
+    n, d, h, dh = 5, 12, 2, 6
+    w = make_weights(h, d, dh, True, seed=58, gain=2.0)
+    X = make_tokens(3, n, d, 1.0, seed=59) + shared * make_tokens(1, 1, d, 1.0, seed=60)
+    sens = attention_sensitivity(X, w, score_bound=score_bound, softmax_jacobian=True,
+                                 method=DENSE)
+    A = w.query @ w.key.mT  # (h, d, d)
+    C = torch.eye(n, dtype=torch.float64) - 1.0 / n
+    for b in range(X.shape[0]):
+        for l in range(h):
+            def centred_change(G, x=X[b], a=A[l]):
+                return (G @ a @ x.T + x @ a @ G.T) @ C
+
+            dense = torch.func.jacrev(centred_change)(torch.zeros(n, d, dtype=torch.float64))
+            dense = dense.reshape(n, n, n * d)  # (row r, key j, input)
+            whole = torch.linalg.matrix_norm(dense.reshape(n * n, n * d), ord=2)
+            rows = torch.linalg.matrix_norm(dense, ord=2).max()
+            assert sens.centered_score_sensitivity[b, l] >= whole * (1 - 1e-12)
+            assert sens.row_score_sensitivity[b, l] >= rows * (1 - 1e-12)
+            if shared and score_bound == "relaxed":  # and the centring took something off
+                assert sens.centered_score_sensitivity[b, l] < sens.score_sensitivity[b, l]
+
+
 def sphere_pgd_maximum(objective, X, eps, generator, restarts=3, steps=60):
     """max over restarts of objective(G) (B,) for perturbations G of X's shape (B, n, d) on the
     sphere ||G||_F = eps, by normalised gradient ascent with projection back onto it."""
