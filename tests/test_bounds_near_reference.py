@@ -3,6 +3,7 @@ method that uses them, against dense float64 operators (materialised column by c
 block's autograd Jacobian) and a PGD attack on the block."""
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from lofast.bounds.attention import (
 from lofast.bounds.first_order import first_order_maps
 from lofast.bounds.near_reference import (
     JacobianData,
+    cross_frobenius_upper,
     deflated_first_order_bound,
     head_deviation_bound,
     jacobian_adjoint,
@@ -161,8 +163,9 @@ def patterned_tokens(pattern, batch, n, d, seed):
 @pytest.mark.parametrize("pattern", TOKEN_PATTERNS)
 @pytest.mark.parametrize("gain, biased", [(0.3, True), (1.0, True), (3.0, True), (1.0, False),
                                           (10.0, False)])
-def test_softmax_bound_dominates_the_autograd_norm(pattern, gain, biased):
-    n, d, h, dh = 6, 12, 3, 4
+@pytest.mark.parametrize("n, d, h, dh", [(6, 12, 3, 4), (4, 12, 1, 12)],
+                         ids=["heads", "one wide head"])  # dh < n and dh > n
+def test_softmax_bound_dominates_the_autograd_norm(pattern, gain, biased, n, d, h, dh):
     w = live_block(n, d, h, dh, gain, seed=9, biased=biased)
     X = patterned_tokens(pattern, 3, n, d, seed=10)
     _, _, exact = dense_norms(X, w)
@@ -174,6 +177,33 @@ def test_softmax_bound_dominates_the_autograd_norm(pattern, gain, biased):
     assert (bound >= exact - 1e-13).all(), (bound, exact)
     if pattern == "identical":
         assert (bound <= 1e-12).all()
+
+
+@pytest.mark.parametrize("n, a, b", [(6, 4, 3), (5, 12, 9)])
+def test_cross_frobenius_bound_is_the_direct_norm_up_to_rounding(n, a, b):
+    g = torch.Generator().manual_seed(31)
+    W = torch.randn(2, 3, n, a, generator=g, dtype=F64)
+    N = torch.randn(2, 3, 4, n, b, generator=g, dtype=F64) * torch.logspace(-3, 3, 4,
+                                                                            dtype=F64)[:, None, None]
+    direct = torch.linalg.vector_norm(W[:, :, None].mT @ N, dim=(-2, -1))
+    bound = cross_frobenius_upper(W, N)
+    assert bound.shape == (2, 3, 4)
+    assert (bound >= direct).all() and (bound <= direct * (1 + 1e-6)).all()
+
+
+def test_cross_frobenius_bound_covers_its_rounding_under_cancellation():
+    # N's columns nearly orthogonal to W's: the Gram form cancels to about the rounding level,
+    # and the bound must still exceed the exact norm (rational arithmetic on the stored floats)
+    g = torch.Generator().manual_seed(32)
+    W = torch.randn(5, 3, generator=g, dtype=F64)
+    Z = torch.randn(4, 5, 2, generator=g, dtype=F64)
+    N = Z - W @ torch.linalg.solve(W.mT @ W, W.mT @ Z)  # W^T N = 0 up to rounding
+    bound = cross_frobenius_upper(W, N)
+    for i in range(4):
+        exact = sum(sum(Fraction(W[j, e].item()) * Fraction(N[i, j, v].item())
+                        for j in range(5)) ** 2 for e in range(3) for v in range(2))
+        assert Fraction(bound[i].item()) ** 2 >= exact
+        assert bound[i] < 1e-6 * torch.linalg.vector_norm(N[i])
 
 
 def test_softmax_bound_is_far_below_the_product_bound_near_the_reference():

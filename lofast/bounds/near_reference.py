@@ -93,8 +93,12 @@ def softmax_first_order_bound(X: Tensor, probs: Tensor, x_query: Tensor, key: Te
     roundings per term from X (the centring included), each term at most |X~ Wv_l| in size
     entrywise after the weights p <= 1, ||p||_2 <= 1, so adding
     2 gamma_{n+d+4} (||X~ Wv_l||_F + ||X~||_F ||Wv_l||_F) covers it (and the difference between
-    the computed X~ and X - 1 c^T); M_li, one more product of length n, gets
-    gamma_n ||X~ Wk_l||_F ||N_li||_F plus ||X~ Wk_l||_F times N's rounding term.
+    the computed X~ and X - 1 c^T); W_l = X~ Wk_l alike (2 gamma_{n+d+4} (||W_l||_F +
+    ||X~||_F ||Wk_l||_F)). ||M_li||_F^2 = <W_l W_l^T, N_li N_li^T> is formed from the two
+    (n x n) Gram matrices: n^2 (dh + dv) flops per row i instead of n dh dv, and every term
+    W_je W_ke N_jv N_kv of the sum passes at most dh + dv + n^2 roundings, so the computed
+    value is within gamma_{dh+dv+n^2} sum_{e,v} (sum_j |W_je| |N_jv|)^2
+    <= gamma_{dh+dv+n^2} ||W_l||_F^2 ||N_li||_F^2 of the exact one (Cauchy-Schwarz).
     """
     n, d = X.shape[1], X.shape[2]
     query_norm, key_norm, output_norm = stacked_norms
@@ -111,11 +115,27 @@ def softmax_first_order_bound(X: Tensor, probs: Tensor, x_query: Tensor, key: Te
     inflate = 1.0 + 2.0 ** -40
     mixed_norm = frob(mixed, dim=(3, 4)) * inflate + slip[..., None]  # (B, h, n) >= ||N_li||
     key_f = frob(x_key, dim=(2, 3))[..., None] * inflate  # (B, h, 1)
-    product = frob(x_key[:, :, None].mT @ mixed, dim=(3, 4)) * inflate  # ||M_li||_F
-    product = product + gamma(n) * key_f * mixed_norm + key_f * slip[..., None]
+    key_slip = 2.0 * gamma(n + d + 4) * (frob(x_key, dim=(2, 3)) + frob(centred, dim=(1, 2))[
+        :, None] * frob(key, dim=(1, 2)))  # (B, h) >= ||W_l - computed W_l||_F
+    product = (cross_frobenius_upper(x_key, mixed) + key_f * slip[..., None]
+               + key_slip[..., None] * mixed_norm)  # >= ||M_li||_F of the exact operands
     first = query_norm * output_norm * product.amax(dim=(1, 2))
     second = output_norm * key_norm * matrix_norm_upper(mixed_norm[..., None] * x_query).amax(dim=1)
     return (first + second) / scale * inflate
+
+
+def cross_frobenius_upper(W: Tensor, N: Tensor) -> Tensor:
+    """Upper bound (..., m) on ||W^T N_i||_F for W (..., n, a) and N (..., m, n, b) float64,
+    the operands exact as stored: sqrt(<W W^T, N_i N_i^T>) from the two (n x n) Gram matrices
+    (n^2 (a + b) flops per i instead of n a b), plus the rounding bound of the module
+    docstring's 2. (gamma_{a+b+n^2} ||W||_F^2 ||N_i||_F^2 on the square)."""
+    n, a, b = W.shape[-2], W.shape[-1], N.shape[-1]
+    inflate = 1.0 + 2.0 ** -40
+    frob = torch.linalg.vector_norm
+    gram = (W @ W.mT).unsqueeze(-3)  # (..., 1, n, n)
+    square = ((N @ N.mT) * gram).sum(dim=(-2, -1)).clamp_min(0.0)
+    spread = (frob(W, dim=(-2, -1))[..., None] * frob(N, dim=(-2, -1)) * inflate).square()
+    return ((square + gamma(a + b + n * n) * spread) * inflate).sqrt() * inflate
 
 
 @dataclass(frozen=True)
