@@ -75,7 +75,9 @@ block), k products with the Jacobian and k with its adjoint per sample bound its
 term of second order in that deviation. The refinement's first-order coefficient is then the
 smaller of zeta + zeta_s and this bound (``AttentionSensitivity.jacobian``); the Gram matrices
 of zeta and of D_X are formed only for samples where the bound is not within JACOBIAN_SLACK of
-its Rayleigh-Ritz estimate.
+its Rayleigh-Ritz estimate. When scores and values both act on the heads' own coordinates
+(``AttentionSpec.coordinate_attention``), the Jacobian's norm comes from one small operator per
+head and sample instead (``bounds.coordinate_jacobian``).
 
 All quantities are float64 and computed once per sample; ``AttentionSensitivity.delta`` then
 evaluates the bound for any radii.
@@ -90,6 +92,7 @@ import torch
 from torch import Tensor
 
 from lofast.bounds.attention_spec import AttentionSpec
+from lofast.bounds.coordinate_jacobian import coordinate_jacobian_norm
 from lofast.bounds.first_order import (
     as_float64,
     coordinate_first_order_norm,
@@ -322,10 +325,13 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
         if closed_form is not None:  # zeta exactly, from h (n, n) norms
             near = torch.minimum(near, coordinate_first_order_norm(probs, closed_form,
                                                                    w.residual))
+        coordinates = w.coordinate_attention if softmax is not None else None
         if method.kind == "verified" and same_device:
-            zeta, softmax, jacobian = verified_near_reference(
+            zeta, refined, jacobian = verified_near_reference(
                 X, probs, x_query, x_key, x_value, x_value_out, score, w, method, near,
-                deviation, softmax, zeta_is_tight=closed_form is not None)
+                deviation, None if coordinates is not None else softmax,
+                zeta_is_tight=closed_form is not None)
+            softmax = softmax if coordinates is not None else refined
         elif method.kind == "verified":
             zeta = verified_first_order_norm(
                 probs, first_order_factors(value, output, w.residual), method, known=near,
@@ -333,6 +339,9 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
         else:
             zeta = torch.minimum(near, first_order_norm(X, probs, value, output, w.residual,
                                                          method, generator))
+        if coordinates is not None:  # the Jacobian's norm directly, from a small operator
+            jacobian = torch.maximum(zeta, coordinate_jacobian_norm(
+                X, probs, coordinates, w.residual, w.scale, method, generator))
         matrix_free += 1
     else:
         identity_norm = 1.0 if w.residual else 0.0

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lofast.bounds.coordinate_jacobian import CoordinateAttention, coordinate_attention
 from lofast.bounds.deflation import LARGE_DEFLATION, Deflation, deflate_gram
 from lofast.bounds.first_order import (
     CoordinateValues,
@@ -119,6 +120,14 @@ class AttentionSpec:
         """The value paths' structure when each is a scaled projection on the head's own
         coordinates (``first_order.coordinate_values``): zeta then has a closed form."""
         return coordinate_values(as_float64(self.value), as_float64(self.output))
+
+    @functools.cached_property
+    def coordinate_attention(self) -> CoordinateAttention | None:
+        """Scores and values both on the heads' own coordinates (``query_key=identity`` with
+        ``value_output=identity``): the block's Jacobian norm then comes from one small operator
+        per head (``bounds.coordinate_jacobian``)."""
+        scores = coordinate_values(as_float64(self.query), as_float64(self.key).mT)
+        return coordinate_attention(scores, self.coordinate_values)
 
     @functools.cached_property
     def first_order_factors(self) -> FirstOrderFactors:

@@ -286,9 +286,11 @@ def uniform_mix_norm(value: Tensor, output: Tensor, residual: bool) -> Tensor:
 class CoordinateValues:
     """Value paths B_l = Wv_l Wo_l = b_l Q_l Q_l^T with Q_l (d, dv) distinct columns of the
     identity, the heads' columns disjoint (``value_output=identity``: head l's own coordinates).
-    scales: (h,) fl(b_l); covers: whether the heads' coordinates are all d of them."""
+    scales: (h,) fl(b_l); coordinates: (h, dv) int64, head l's coordinates (the columns of
+    Q_l); covers: whether the heads' coordinates are all d of them."""
 
     scales: Tensor
+    coordinates: Tensor
     covers: bool
 
 
@@ -312,7 +314,8 @@ def coordinate_values(value: Tensor, output: Tensor) -> CoordinateValues | None:
     beta = output.gather(2, rows[:, :, None])[..., 0]
     if not (bool((alpha == alpha[:, :1]).all()) and bool((beta == beta[:, :1]).all())):
         return None
-    return CoordinateValues(scales=alpha[:, 0] * beta[:, 0], covers=heads * dv == d)
+    return CoordinateValues(scales=alpha[:, 0] * beta[:, 0], coordinates=rows,
+                            covers=heads * dv == d)
 
 
 def coordinate_first_order_norm(probs: Tensor, values: CoordinateValues,

@@ -60,8 +60,8 @@ def softmax_first_order_norm(probs: Tensor, x_query: Tensor, x_key: Tensor, x_va
         compressed = torch.linalg.qr(columns, mode="r").R  # (B, r, 2hn), r = 2hn
         through_keys, through_queries = (compressed.reshape(batch, -1, heads, 2, n)
                                          .permute(0, 2, 3, 1, 4).unbind(dim=2))
-        left_error = (gamma(64 * d * 2 * heads * n)
-                      * torch.linalg.vector_norm(columns, dim=(1, 2)))
+        left_error = qr_backward_error(torch.linalg.vector_norm(columns, dim=(1, 2)), d,
+                                       2 * heads * n)
     width = through_keys.shape[-2]
     parts = []
     for rows in sample_chunks(batch, working_elements(method, n * width, n * k), probs.device):
@@ -69,11 +69,18 @@ def softmax_first_order_norm(probs: Tensor, x_query: Tensor, x_key: Tensor, x_va
                                                   through_queries[rows], factor[rows], scale)
         parts.append(operator_norm(apply, adjoint, (n, width), probs[rows].shape[0], method,
                                    device=probs.device, generator=generator))
-    right_error = gamma(64 * d * heads * n) * torch.linalg.vector_norm(stacked, dim=(1, 2))
+    right_error = qr_backward_error(torch.linalg.vector_norm(stacked, dim=(1, 2)), d, heads * n)
     score_bound = torch.linalg.vector_norm(score / 2, dim=1)
     rounding = (left_error * torch.linalg.vector_norm(stacked, dim=(1, 2)) / math.sqrt(2.0)
                 + right_error * (score_bound + left_error / math.sqrt(2.0))) / scale
     return (torch.cat(parts) + rounding) * (1.0 + 2.0 ** -40)
+
+
+def qr_backward_error(frobenius: Tensor, rows: int, columns: int) -> Tensor:
+    """||dA||_F for Householder QR of a (rows x columns) matrix A with ||A||_F <= frobenius:
+    the computed R is exact for A + dA with an exactly orthonormal Q (Higham, Thm 19.4, whose
+    gamma~ is c m n u for a small constant c; 64 covers it)."""
+    return gamma(64 * rows * columns) * frobenius
 
 
 def score_factors(x_query: Tensor, x_key: Tensor, query: Tensor,
