@@ -21,13 +21,29 @@ row-wise softmax Jacobian at X,
                                  + J_l(G A_l G^T / s) X B_l + R_l X B_l + (P_l(X') - P_l) G B_l
 
 (E1_l the part of E_l linear in G), where the Taylor remainder of the softmax obeys
-||R_l||_F <= ||E_l||_F^2 / 2: per row, D^2 p[e, e]_i = p_i ((e_i - p.e)^2 - Var_p(e)), so
-||D^2 p[e, e]||_2 <= sum_i p_i |...| <= 2 Var_p(e) <= ||e||^2 (Popoviciu), and the integral
-remainder carries 1/2; over rows, sum ||e_r||^4 <= (sum ||e_r||^2)^2. With
-||E_l||_F <= eps rho_l, rho_l = (m_l + eps ||A_l||) / s, this gives
+||R_l||_F <= gamma ||E_l||_F^2 with gamma = SOFTMAX_REMAINDER = sqrt(6) / 18 (about 0.136):
+
+    Theorem (ours). For p = softmax(s) and every e in R^n,
+    ||D^2 p(s)[e, e]||_2 <= (sqrt(6) / 9) ||C e||^2, C = I - 1 1^T / n, with equality for
+    two tokens at p_1 = (3 - sqrt(3)) / 6.
+    Proof. D^2 p[e, e]_i = p_i ((e_i - p.e)^2 - Var_p(e)), so w^T D^2 p[e, e] = T(e, e, w)
+    with T(a, b, c) = E_p[(a - E_p a)(b - E_p b)(c - E_p c)], the third cumulant: symmetric
+    trilinear, unchanged by adding constants to its arguments, so T(e, e, w) = T(Ce, Ce, Cw)
+    and ||Cw|| <= ||w||. On the Hilbert space 1^perp the norm of a symmetric trilinear form
+    equals sup |T(y, y, y)| over unit y (Banach, Studia Math. 7, 1938). T(y, y, y) is the third
+    central moment of a variable with values y_i in an interval of length
+    L <= sqrt(2) ||y||, and such a moment is at most L^3 / (6 sqrt(3)) in size: for a fixed
+    mean the extremes are two-point laws (the concave envelope of (y - mu)^3), and a two-point
+    law at distances a, b on either side of its mean has third moment a b (b - a) with
+    a + b <= L, at most L^3 q (1 - q)(1 - 2 q) <= L^3 / (6 sqrt(3)). Hence
+    ||D^2 p[e, e]|| <= 2 sqrt(2) / (6 sqrt(3)) ||Ce||^2 = (sqrt(6) / 9) ||Ce||^2.
+    The integral remainder carries 1/2: ||R_r|| <= (sqrt(6) / 18) ||e_r C||^2 per row.
+
+Over rows, sum ||e_r||^4 <= (sum ||e_r||^2)^2. With ||E_l||_F <= eps rho_l,
+rho_l = (m_l + eps ||A_l||) / s, this gives
 
     ||F(X') - F(X)||_F <= (zeta + zeta_s) eps
-                          + eps^2 sum_l (kappa ||A_l|| ||X B_l|| / s + rho_l^2 ||X B_l|| / 2
+                          + eps^2 sum_l (kappa ||A_l|| ||X B_l|| / s + gamma rho_l^2 ||X B_l||
                                          + kappa rho_l ||B_l||)
 
 with zeta_s = ||D_X||, D_X(G) = sum_l J_l(G A_l X^T + X A_l G^T) X B_l / s. Two sharper
@@ -118,6 +134,10 @@ from lofast.bounds.verified import gamma
 # The softmax Jacobian diag(p) - p p^T has spectral norm <= 1/2 (Gershgorin), so no kappa below
 # 1/2 is a valid Lipschitz constant for every input.
 TIGHT_KAPPA = 0.5
+
+# The softmax's Taylor remainder: ||p(s + e) - p(s) - J(s) e|| <= SOFTMAX_REMAINDER ||C e||^2
+# (module docstring; half of sup ||D^2 p[e, e]|| / ||C e||^2 = sqrt(6) / 9, which is attained).
+SOFTMAX_REMAINDER = math.sqrt(6.0) / 18.0
 
 DEFAULT_METHOD = SpectralMethod()  # randomized Lanczos (frozen, safe to share)
 
@@ -223,9 +243,9 @@ class AttentionSensitivity:
 
         - "scores": eps^2 kappa ||A_l|| c_l / s, the quadratic part G A_l G^T of the scores
           through the softmax Jacobian;
-        - "remainder": eps^2 rho_l mu_l c_l / 2, the softmax's Taylor remainder R_l: per row
-          ||R_r|| <= ||e_r C||^2 / 2 (module docstring), so
-          ||R_l||_F <= (sum_r ||e_r C||^4)^(1/2) / 2 <= max_r ||e_r C|| ||E_l C||_F / 2;
+        - "remainder": eps^2 gamma rho_l mu_l c_l, the softmax's Taylor remainder R_l: per row
+          ||R_r|| <= gamma ||e_r C||^2 (module docstring, gamma = SOFTMAX_REMAINDER), so
+          ||R_l||_F <= gamma (sum_r ||e_r C||^4)^(1/2) <= gamma max_r ||e_r C|| ||E_l C||_F;
         - "values": eps^2 kappa rho_l ||B_l||, the change of attention times the change of
           the values.
         """
@@ -241,7 +261,8 @@ class AttentionSensitivity:
         square = eps.square()
         return {"scores": square * (self.kappa * self.score_weight_norm / self.scale
                                     * centered).sum(dim=-1),
-                "remainder": square * (0.5 * rate * row_rate * centered).sum(dim=-1),
+                "remainder": square * (SOFTMAX_REMAINDER * rate * row_rate * centered).sum(
+                    dim=-1),
                 "values": square * (self.kappa * rate * self.value_weight_norm).sum(dim=-1)}
 
 
