@@ -5,7 +5,8 @@ Setting (``query_key=identity`` with ``value_output=identity``): A_l = Wq_l Wk_l
 B_l = Wv_l Wo_l = c_l Pi_l, Pi_l = Q_l Q_l^T the projection on head l's coordinates S_l (columns
 of the identity, disjoint between heads), H = r I. The block's Jacobian at X
 (notation of ``bounds.attention``) is
-    (T_X + D_X)(G) = r G + sum_l c_l P_l G Pi_l + sum_l (g_l c_l / s) J_l(G Pi_l X^T + X Pi_l G^T) X Pi_l,
+    (T_X + D_X)(G) = r G + sum_l c_l P_l G Pi_l
+                     + sum_l (g_l c_l / s) J_l(G Pi_l X^T + X Pi_l G^T) X Pi_l,
 so on head l's columns G_l = G[:, S_l] it acts by
     F_l(G_l) = r G_l + c_l P_l G_l + k_l J_l(G_l X_l^T + X_l G_l^T) X_l,   k_l = g_l c_l / s,
 X_l = X[:, S_l] (n x dh), on columns in no head by r, and the parts do not mix:
