@@ -73,12 +73,11 @@ def test_training_bound_agrees_with_the_certifier_stage_by_stage(position_bias):
     eps = torch.tensor([0.01, 0.1, 0.5], dtype=torch.float64).expand(6, -1)
     for mine, theirs in zip(estimated, certificate.steps):
         ratio = mine.delta(eps) / theirs.delta(eps)
-        # (the Jacobian's top singular values can be close: power iteration is within 1e-3)
-        assert (ratio <= 1 + 1e-6).all() and (ratio >= 1 - 1e-3).all(), (type(mine), ratio)
+        assert (ratio <= 1 + 1e-6).all() and (ratio >= 1 - 1e-4).all(), (type(mine), ratio)
     bound.iterations = 1  # warm-started from the converged vectors
     _, radius = bound(model, x, 0.1)  # the training entry point: the same walk, composed
     reference = certificate.feature_radius(torch.tensor([0.1]))[:, 0]
-    assert (radius <= reference * (1 + 1e-6)).all() and (radius >= reference * (1 - 1e-3)).all()
+    assert (radius <= reference * (1 + 1e-6)).all() and (radius >= reference * (1 - 1e-4)).all()
 
 
 def test_explicit_norms_equal_the_certifiers():
@@ -101,10 +100,9 @@ def test_explicit_norms_equal_the_certifiers():
     assert (exact.centered_score_sensitivity < exact.score_sensitivity).all()
 
 
-def test_jacobian_estimate_converges_to_the_certifiers():
-    """The refinement's first-order coefficient ||T_X + D_X|| by power steps (with gradients)
-    approaches the dense value from below, and the refined delta is never above the unrefined
-    one."""
+def test_softmax_first_order_estimate_converges_to_the_certifiers():
+    """The refinement's ||D_X|| by power steps (with gradients) approaches the dense value from
+    below, and the refined delta is never above the unrefined one."""
     g = torch.Generator().manual_seed(6)
     heads, d, dh = 2, 16, 4
     query, key, value = (torch.randn(heads, d, dh, generator=g, dtype=torch.float64)
@@ -118,14 +116,13 @@ def test_jacobian_estimate_converges_to_the_certifiers():
     estimate, vectors = attention_sensitivity_estimate(tokens, w, iterations=500,
                                                        softmax_jacobian=True)
     assert vectors.shape == (3, 2, 5, d)
-    ratio = estimate.jacobian / exact.jacobian  # ||T_X + D_X||, dense
+    ratio = estimate.softmax_first_order / exact.softmax_first_order
     assert (ratio <= 1 + 1e-9).all() and (ratio >= 1 - 1e-4).all(), ratio
-    assert (exact.jacobian < exact.zeta + exact.softmax_first_order).all()  # it matters here
     eps = torch.tensor([0.01, 0.1, 1.0], dtype=torch.float64).expand(3, -1)
     unrefined, _ = attention_sensitivity_estimate(tokens, w, iterations=500)
     assert (estimate.delta(eps) <= unrefined.delta(eps) * (1 + 1e-9)).all()
     assert (estimate.delta(eps)[:, 0] < unrefined.delta(eps)[:, 0]).all()
-    (grad,) = torch.autograd.grad(estimate.jacobian.sum(), query)
+    (grad,) = torch.autograd.grad(estimate.softmax_first_order.sum(), query)
     assert grad.abs().sum() > 0
 
 
@@ -145,7 +142,7 @@ def test_softmax_first_order_estimate_is_the_cheap_bound_where_attention_is_near
     start = torch.randn(3, 2, 5, d, generator=g, dtype=torch.float64)
     estimate, vectors = attention_sensitivity_estimate(tokens, w, start=start, iterations=50,
                                                        softmax_jacobian=True)
-    assert torch.equal(vectors[:, 1], start[:, 1]) and estimate.jacobian is None
+    assert torch.equal(vectors[:, 1], start[:, 1])
     assert torch.allclose(estimate.softmax_first_order, exact.softmax_first_order, rtol=1e-6)
     assert (estimate.softmax_first_order < 1e-3 * estimate.zeta).all()
 
@@ -228,7 +225,7 @@ def test_gradient_matches_finite_differences(position_bias):
     direction = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
 
     model.eval()  # exact caps: the bound's own gradient (training's estimated caps: test_models)
-    bound = TrainingBound(1000, generator=torch.Generator().manual_seed(0))
+    bound = TrainingBound(2000, generator=torch.Generator().manual_seed(0))
 
     def objective():
         logits, radius = bound(model, x, eps)

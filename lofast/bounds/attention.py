@@ -124,7 +124,6 @@ from lofast.bounds.near_reference import (
     verified_near_reference,
 )
 from lofast.bounds.softmax_terms import (
-    jacobian_norm,
     probabilities_from_projections,
     score_norm,
     softmax_first_order_norm,
@@ -378,13 +377,6 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
                                               x_value_out[rows], query, key, score[rows],
                                               w.scale, method, generator)
             softmax[rows] = torch.minimum(softmax[rows], exact)
-            if method.kind != "verified" and first_order == "lofast":
-                # the Jacobian's own norm, which the exact guarantee bounds directly too
-                jacobian = zeta + softmax
-                jacobian[rows] = torch.minimum(jacobian[rows], jacobian_norm(
-                    probs[rows], x_query[rows], x_key[rows], x_value_out[rows], query, key,
-                    value, output, w.residual, w.scale, method, generator))
-                matrix_free += 1
         matrix_free += 1
 
     guarantee = method.guarantee if matrix_free else Guarantee.EXACT

@@ -94,10 +94,9 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
                                    ) -> tuple[AttentionSensitivity, Tensor]:
     """The quantities of the certifier's default bound ("lofast": zeta and the relaxed score term
     xi_l = ||A_l X^T|| + ||X A_l||) at tokens X (B, n, d), in X's dtype, with gradients with
-    respect to X and the weights; with ``softmax_jacobian`` also the second-order refinement's
-    zeta_s (the cheap bound on ||D_X||) and, unless that is negligible next to zeta in every
-    sample, the Jacobian's norm ||T_X + D_X|| by power steps of its own: the first-order
-    coefficient the certifier bounds.
+    respect to X and the weights; with ``softmax_jacobian`` also zeta_s = ||D_X|| of the
+    second-order refinement, as the certifier takes it: the smaller of a cheap bound and, unless
+    that is negligible next to zeta in every sample, power steps of its own.
 
     start: (B, V, n, d) initial vectors of the power iterations, V = 2 with the refinement and 1
     without (e.g. the previous batch's; random when None or of another shape). Returns the
@@ -125,8 +124,8 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
                               v, iterations).view(X.shape)
         return torch.linalg.vector_norm(apply(v), dim=(1, 2)), v
 
-    first_apply, first_adjoint = first_order_maps(probs, value, output, w.residual)
-    zeta, zeta_vector = estimated_norm(start[:, 0], first_apply, first_adjoint)
+    zeta, zeta_vector = estimated_norm(start[:, 0],
+                                       *first_order_maps(probs, value, output, w.residual))
     vectors = [zeta_vector]
     # ||X A_l^T|| = ||(X Wk_l) Wq_l^T||, ||X A_l|| = ||(X Wq_l) Wk_l^T||, ||X B_l|| = ||(X Wv_l) Wo_l||:
     # each right factor is replaced by its row-space factor, so the per-sample Gram matrices are
@@ -139,30 +138,25 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
     centered_score_t = top_singular_value_estimate(x_score_t - x_score_t.mean(dim=-2, keepdim=True))
     x_value_factor = x_value @ row_space_factor(output)  # X B_l, likewise
     value_norm = top_singular_value_estimate(x_value_factor)  # (B, h) ||X B_l||
-    softmax = jacobian = None
+    softmax = None
     if softmax_jacobian:
         # as in the certifier: the cheap bound sum_l ||J_l|| m_l ||X B_l|| / s on ||D_X||, and
         # on the CPU the power steps only where it is not negligible next to zeta (in some
-        # sample); an accelerator always takes them, since asking would stall it. The steps
-        # estimate the refinement's first-order coefficient itself, the Jacobian's norm
-        # ||T_X + D_X||, which the certifier bounds (and which is never above zeta + ||D_X||).
+        # sample); an accelerator always takes them, since asking would stall it
         softmax = (score * value_norm).sum(dim=1) / (2.0 * w.scale)
         if X.device.type != "cpu" or bool((softmax > SOFTMAX_NEGLIGIBLE * zeta).any()):
             x_value_out = torch.einsum("bhne,hef->bhnf", x_value, output)  # (B, h, n, d) X B_l
-            softmax_apply, softmax_adjoint = softmax_first_order_maps(
-                probs, *score_factors(x_query, x_key, query, key), x_value_out, w.scale)
-            jacobian, jacobian_vector = estimated_norm(
-                start[:, 1], lambda G: first_apply(G) + softmax_apply(G),
-                lambda Y: first_adjoint(Y) + softmax_adjoint(Y))
+            norm, softmax_vector = estimated_norm(start[:, 1], *softmax_first_order_maps(
+                probs, *score_factors(x_query, x_key, query, key), x_value_out, w.scale))
+            softmax = torch.minimum(softmax, norm)
         else:
-            jacobian_vector = start[:, 1]
-        vectors.append(jacobian_vector)
+            softmax_vector = start[:, 1]
+        vectors.append(softmax_vector)
     sensitivity = AttentionSensitivity(
         zeta=zeta, score_sensitivity=score, value_norm=value_norm,
         score_weight_norm=product_norm(query, key.mT),
         value_weight_norm=product_norm(value, output), scale=float(w.scale),
         kappa=float(kappa), guarantee=Guarantee.ESTIMATE, softmax_first_order=softmax,
-        jacobian=jacobian,
         centered_value_norm=top_singular_value_estimate(
             x_value_factor - x_value_factor.mean(dim=-2, keepdim=True)),
         row_score_sensitivity=None if softmax is None else (

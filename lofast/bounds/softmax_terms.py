@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from lofast.bounds.first_order import first_order_maps, sample_chunks
+from lofast.bounds.first_order import sample_chunks
 from lofast.bounds.krylov import LinearMap
 from lofast.bounds.spectral import SpectralMethod, operator_norm, working_elements
 from lofast.bounds.verified import gamma
@@ -74,28 +74,6 @@ def softmax_first_order_norm(probs: Tensor, x_query: Tensor, x_key: Tensor, x_va
     rounding = (left_error * torch.linalg.vector_norm(stacked, dim=(1, 2)) / math.sqrt(2.0)
                 + right_error * (score_bound + left_error / math.sqrt(2.0))) / scale
     return (torch.cat(parts) + rounding) * (1.0 + 2.0 ** -40)
-
-
-def jacobian_norm(probs: Tensor, x_query: Tensor, x_key: Tensor, x_value_out: Tensor,
-                  query: Tensor, key: Tensor, value: Tensor, output: Tensor, residual: bool,
-                  scale: float, method: SpectralMethod,
-                  generator: torch.Generator | None) -> Tensor:
-    """||T_X + D_X|| per sample (B,), the norm of the block's Jacobian, with the method's
-    guarantee (for the methods that take it matrix-free: the exact guarantee bounds it by
-    ``near_reference`` and ``coordinate_jacobian`` instead). Arguments as in
-    ``softmax_first_order_norm``, plus value (h, d, dv), output (h, dv, d) and the residual."""
-    batch, _, n, d = x_value_out.shape
-    parts = []
-    for rows in sample_chunks(batch, working_elements(method, n * d, n * d), probs.device):
-        first_apply, first_adjoint = first_order_maps(probs[rows], value, output, residual)
-        softmax_apply, softmax_adjoint = softmax_first_order_maps(
-            probs[rows], *score_factors(x_query[rows], x_key[rows], query, key),
-            x_value_out[rows], scale)
-        parts.append(operator_norm(lambda G: first_apply(G) + softmax_apply(G),
-                                   lambda Y: first_adjoint(Y) + softmax_adjoint(Y), (n, d),
-                                   probs[rows].shape[0], method, device=probs.device,
-                                   generator=generator))
-    return torch.cat(parts)
 
 
 def qr_backward_error(frobenius: Tensor, rows: int, columns: int) -> Tensor:
