@@ -957,12 +957,20 @@ def test_remainder_term_bounds_the_softmax_remainder(shared):
         assert (best > 1e-3 * bound).all(), (eps, best, bound)
 
 
+def own_coordinates(h, d, dh, order=None):
+    """(h, d, dh): head l's columns of the identity (in ``order`` if given, a permutation)."""
+    eye = torch.eye(d, dtype=torch.float64)
+    if order is not None:
+        eye = eye[:, order]
+    return eye[:, : h * dh].reshape(d, h, dh).permute(1, 0, 2)
+
+
 def coordinate_weights(h, d, dv, residual, seed, alpha=0.7, beta=0.6, gain=8.0, n=5):
     """Weights whose value paths are scaled projections on each head's own dv coordinates
     (``value_output=identity``; with h dv < d some coordinates are no head's), learned scores
     of norm about ``gain`` and a position bias: attention far from its reference."""
     w = make_weights(h, d, dv, residual, seed, gain=gain, bias_tokens=n)
-    own = torch.eye(d, dtype=torch.float64)[:, : h * dv].reshape(d, h, dv).permute(1, 0, 2)
+    own = own_coordinates(h, d, dv)
     return AttentionSpec(query=w.query, key=w.key, value=alpha * own, output=beta * own.mT,
                          residual=residual, scale=w.scale, position_bias=w.position_bias)
 

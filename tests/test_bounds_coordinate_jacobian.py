@@ -3,7 +3,14 @@
 
 import pytest
 import torch
-from test_bounds_attention import EPS, VERIFIED, make_tokens, make_weights, pgd_lower_bound
+from test_bounds_attention import (
+    EPS,
+    VERIFIED,
+    make_tokens,
+    make_weights,
+    own_coordinates,
+    pgd_lower_bound,
+)
 from test_bounds_near_reference import dense_norms
 
 from lofast.bounds.attention import attention_probabilities, attention_sensitivity
@@ -13,14 +20,6 @@ from lofast.bounds.coordinate_jacobian import coordinate_jacobian_norm
 F64 = torch.float64
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def own_coordinates(h, d, dh, order=None):
-    """(h, d, dh): head l's columns of the identity (in ``order`` if given, a permutation)."""
-    eye = torch.eye(d, dtype=F64)
-    if order is not None:
-        eye = eye[:, order]
-    return eye[:, : h * dh].reshape(d, h, dh).permute(1, 0, 2)
 
 
 def coordinate_block(h, d, dh, n, residual, score=6.0, alpha=0.7, beta=0.6, seed=0,

@@ -348,11 +348,13 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
                                                                    w.residual))
         coordinates = w.coordinate_attention if softmax is not None else None
         if method.kind == "verified" and same_device:
+            # (for coordinate blocks zeta only: their Jacobian's norm follows below)
             zeta, refined, jacobian = verified_near_reference(
                 X, probs, x_query, x_key, x_value, x_value_out, score, w, method, near,
-                deviation, None if coordinates is not None else softmax,
+                deviation, softmax if coordinates is None else None,
                 zeta_is_tight=closed_form is not None)
-            softmax = softmax if coordinates is not None else refined
+            if coordinates is None:
+                softmax = refined
         elif method.kind == "verified":
             zeta = verified_first_order_norm(
                 probs, first_order_factors(value, output, w.residual), method, known=near,
