@@ -2,9 +2,12 @@
 
     python benchmarks/bench_train.py [--preset paper-d3 | --checkpoint PATH] [--batch-size 256]
         [--steps 20] [--power-iterations 2] [--device auto] [--out bench_train.json]
+        [--profile profile.txt]
 
 Times full optimisation steps (forward, loss, backward, AdamW) on random CIFAR-sized images, after
-warm-up steps, and extrapolates to one epoch of 50,000 images. Prints a table and writes JSON.
+warm-up steps, and extrapolates to one epoch of 50,000 images. Prints a table and writes JSON;
+--profile also runs five certified steps under torch.profiler and writes the operators that
+took the most time (device time on a GPU) to the named file.
 A fresh model has live attention; a trained certified one (--checkpoint) has nearly uniform
 attention, where the training bound, like the certifier, skips the refinement's power steps.
 """
@@ -29,7 +32,7 @@ EPOCH_IMAGES = 50_000
 
 
 def seconds_per_step(config: TrainConfig, initial: LipschitzViT, device: torch.device,
-                     steps: int, warmup: int = 3) -> float:
+                     steps: int, warmup: int = 3, profile: str | None = None) -> float:
     model = copy.deepcopy(initial).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     generator = torch.Generator().manual_seed(0)
@@ -48,7 +51,28 @@ def seconds_per_step(config: TrainConfig, initial: LipschitzViT, device: torch.d
         training_step(objective, optimizer, x, y, config.train_eps, use_amp)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return (time.perf_counter() - started) / steps
+    seconds = (time.perf_counter() - started) / steps
+    if profile is not None:
+        write_profile(profile, device, lambda: training_step(objective, optimizer, x, y,
+                                                             config.train_eps, use_amp))
+    return seconds
+
+
+def write_profile(path: str, device: torch.device, step, steps: int = 5) -> None:
+    """Five steps under torch.profiler; the 40 operators with the most self time to `path`."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = profiler.key_averages().table(sort_by=sort, row_limit=40)
+    with open(path, "w") as f:
+        f.write(f"{steps} certified steps, sorted by {sort}\n{table}\n")
+    print("\n".join(table.splitlines()[:18]))
 
 
 def main() -> None:
@@ -60,6 +84,7 @@ def main() -> None:
     parser.add_argument("--power-iterations", type=int, default=2)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default="bench_train.json")
+    parser.add_argument("--profile", help="write a torch.profiler table of certified steps here")
     args = parser.parse_args()
 
     device = resolve_device(args.device)
@@ -75,7 +100,8 @@ def main() -> None:
     }
     rows = {}
     for name, config in configs.items():
-        step = seconds_per_step(config, initial, device, args.steps)
+        step = seconds_per_step(config, initial, device, args.steps,
+                                profile=args.profile if name == "certified" else None)
         rows[name] = {"ms_per_step": 1e3 * step,
                       "images_per_second": args.batch_size / step,
                       "seconds_per_epoch": step * EPOCH_IMAGES / args.batch_size}

@@ -9,18 +9,22 @@
 # bit: `lofast train --resume`).
 #
 #   1. benchmarks/bench_train.py on lofast-s: images/s of plain and certified steps
-#      (OUT/bench_train.json);
+#      (OUT/bench_train.json) and a torch.profiler table of certified steps (OUT/profile.txt);
 #   2. lofast certify of the shipped default on the whole DATA test split, exact guarantee,
-#      with its end-to-end wall time (OUT/certify_default.json, OUT/certify_default.seconds);
-#   3. lofast train for TRAIN_SECONDS (default 300) with TRAIN_ARGS (default: a wider lofast-s,
-#      certified at eps 0.15), resumed from STATE when given (OUT/train.safetensors, its
-#      .state.pt for the next pass, OUT/train.log).
+#      with its end-to-end wall time (OUT/certify_default.json; the time in OUT/log.txt);
+#   3. lofast train with TRAIN_ARGS (default: the live-attention recipe of lofast-live on the
+#      whole training set) until PASS_SECONDS (default 540) after the start of the pass,
+#      resumed from STATE when given (OUT/train.safetensors, its .state.pt for the next pass).
+#      With EPOCHS=auto (the default, and not with STATE) a two-epoch probe measures an epoch
+#      first and the run gets as many epochs as fit, so its schedule ends inside the pass.
 #
+# Each step runs whatever became of the one before; everything printed goes to OUT/log.txt.
 # Environment: DEVICE (default cuda), BENCH_ARGS (more options of bench_train.py), LIMIT
-# (certify only the first LIMIT test images; default all), TRAIN_SECONDS, TRAIN_ARGS. With DEVICE=cpu and small LIMIT and TRAIN_SECONDS it runs
-# anywhere, which is how it is tested. Needs python3 with torch and lofast's dependencies;
-# installs lofast itself (no network) when it is not importable.
-set -euo pipefail
+# (certify only the first LIMIT test images; default all), PASS_SECONDS, TRAIN_ARGS, EPOCHS.
+# With DEVICE=cpu and a small LIMIT and PASS_SECONDS it runs anywhere, which is how it is
+# tested. Needs python3 with torch and lofast's dependencies; lofast itself is taken from
+# this checkout.
+set -uo pipefail
 if [ $# -lt 2 ]; then
     echo "usage: bash benchmarks/gpu_check.sh DATA OUT [STATE]" >&2
     exit 2
@@ -29,38 +33,59 @@ data=$1
 out=$2
 state=${3:-}
 device=${DEVICE:-cuda}
-seconds=${TRAIN_SECONDS:-300}
-train_args=${TRAIN_ARGS:-"--preset lofast-s --model-option depth=6 --model-option width=256 \
---model-option position_bias=true --loss certified --train-eps 0.15 --power-iterations 1 \
---temperature 0.25 --lr 2e-3 --batch-size 1024 --epochs 200 --eps-ramp-epochs 5"}
+pass_seconds=${PASS_SECONDS:-540}
+epochs=${EPOCHS:-auto}
+train_args=${TRAIN_ARGS:-"--preset lofast-s --model-option depth=6 --model-option position_bias=true \
+--model-option heads=1 --model-option query_key=identity --model-option value_output=identity \
+--model-option score_norm=32 --model-option value_norm=0.5 --model-option live_blocks=1 \
+--model-option live_first=true --lr 2e-3 --batch-size 1024 --warmup-epochs 1 --temperature 0.25 \
+--loss certified --train-eps 0.02 --eps-ramp-epochs 2 --power-iterations 1 \
+--ablation-margin 1 --ablation-weight 2"}
 export PYTHONUNBUFFERED=1
+begin=$(date +%s)
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
-if ! python3 -c "import lofast" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
-fi
+exec > >(tee -a "$out/log.txt") 2>&1
+elapsed() { echo $(($(date +%s) - begin)); }
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the benchmarks import this checkout's lofast
 python3 -c "import torch; print('torch', torch.__version__, 'device', '$device',
     torch.cuda.get_device_name() if '$device'.startswith('cuda') else 'cpu')"
 
-echo "== 1. training throughput"
+echo "== 1. training throughput ($(elapsed) s)"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
-python3 benchmarks/bench_train.py --preset lofast-s --device "$device" ${BENCH_ARGS:-} \
-    --out "$out/bench_train.json"
+timeout 150 python3 benchmarks/bench_train.py --preset lofast-s --device "$device" ${BENCH_ARGS:-} \
+    --out "$out/bench_train.json" --profile "$out/profile.txt" || echo "bench_train: exit $?"
 
-echo "== 2. certifying the default"
+echo "== 2. certifying the default ($(elapsed) s)"
 limit=()
 if [ -n "${LIMIT:-}" ]; then limit=(--limit "$LIMIT"); fi
 start=$(date +%s.%N)
-python3 -m lofast certify --data "$data" --device "$device" "${limit[@]}" --eps 0.02 --eps 0.05 \
-    --eps 0.1 --eps 36/255 --json > "$out/certify_default.json"
-python3 -c "print(round($(date +%s.%N) - $start, 2))" | tee "$out/certify_default.seconds"
+timeout 150 python3 -m lofast certify --data "$data" --device "$device" "${limit[@]}" --eps 0.02 \
+    --eps 0.05 --eps 0.1 --eps 36/255 --json > "$out/certify_default.json" \
+    || echo "certify: exit $?"
+python3 -c "print('certify_default seconds', round($(date +%s.%N) - $start, 2))"
 
-echo "== 3. training for ${seconds} s"
 resume=()
 if [ -n "$state" ]; then
     cp "$state"/train.safetensors* "$out/"  # the state, and the checkpoint once written
     resume=(--resume)
+elif [ "$epochs" = auto ]; then
+    echo "== 3a. two-epoch probe ($(elapsed) s)"
+    probe=$(mktemp -d)
+    # shellcheck disable=SC2086  # TRAIN_ARGS is a list of options
+    python3 -m lofast train --dataset cifar10 --data "$data" --device "$device" $train_args \
+        --epochs 2 --out "$probe/probe.safetensors" > "$probe/log" 2>&1 || tail -3 "$probe/log"
+    left=$((pass_seconds - $(elapsed) - 30))  # 30 s for loading the data and the last write
+    epochs=$(python3 -c "import torch; h = torch.load('$probe/probe.safetensors.state.pt',
+        weights_only=False)['history'][-1]; print(max(1, int(0.9 * $left / (h['seconds'] + 1))))")
+    echo "probe: $(python3 -c "import torch; print(torch.load('$probe/probe.safetensors.state.pt',
+        weights_only=False)['history'][-1])"); $left s left: $epochs epochs"
 fi
+epoch_option=()
+if [ "$epochs" != auto ]; then epoch_option=(--epochs "$epochs"); fi
+echo "== 3. training until ${pass_seconds} s ($(elapsed) s)"
 # shellcheck disable=SC2086  # TRAIN_ARGS is a list of options
 python3 -m lofast train --dataset cifar10 --data "$data" --device "$device" $train_args \
-    --time-limit "$seconds" --out "$out/train.safetensors" "${resume[@]}" 2>&1 | tee "$out/train.log"
+    "${epoch_option[@]}" --time-limit $((pass_seconds - $(elapsed))) \
+    --out "$out/train.safetensors" "${resume[@]}" || echo "train: exit $?"
+echo "== done ($(elapsed) s)"

@@ -8,6 +8,7 @@ computed once per sample and reused for any number of eps values.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -83,28 +84,39 @@ def head_certified(margins: Tensor, pair_norms: Tensor, feature_radius: Tensor) 
 
 
 def certified_radius(steps: Sequence[RadiusMap], margins: Tensor, pair_norms: Tensor,
-                     iterations: int = 60, start: float = 1.0) -> Tensor:
-    """Largest eps (B,) at which the head test still passes, by bisection on the monotone
-    recursion (the returned value is the lower end of the final bracket: certified there).
-    Misclassified samples get 0."""
+                     bits: int = 60, start: float = 1.0, points: int = 15) -> Tensor:
+    """Largest eps (B,) at which the head test still passes, (B,); misclassified samples get 0.
+
+    A search on the monotone recursion: the bracket [low, high) is grown by doubling until
+    its top is not certified, then each round tests `points` evenly spaced radii inside it in
+    one pass of the recursion (eps of shape (B, points)) and keeps the gap between the largest
+    certified one and the next, shrinking the bracket (points + 1)-fold, until it is 2^-bits of
+    its first width. The returned value is the lower end of the final bracket, a radius that
+    was itself tested and certified (or 0): the result is certified even where rounding makes
+    the recursion non-monotone at the level of the last bits.
+    """
     batch = margins.shape[0]
     device, dtype = margins.device, margins.dtype
+    correct = (margins > 0).all(dim=1)
 
-    def ok(eps: Tensor) -> Tensor:
-        return head_certified(margins, pair_norms, propagate(steps, eps[:, None]))[:, 0]
+    def ok(eps: Tensor) -> Tensor:  # eps (B, E) -> (B, E) certified, and not misclassified
+        return head_certified(margins, pair_norms, propagate(steps, eps)) & correct[:, None]
 
     low = torch.zeros(batch, device=device, dtype=dtype)
     high = torch.full((batch,), start, device=device, dtype=dtype)
-    correct = (margins > 0).all(dim=1)
     for _ in range(64):  # grow the bracket until the top is not certified
-        grow = ok(high) & correct
+        grow = ok(high[:, None])[:, 0]
         if not grow.any():
             break
         low = torch.where(grow, high, low)
         high = torch.where(grow, high * 2.0, high)
-    for _ in range(iterations):
-        mid = 0.5 * (low + high)
-        good = ok(mid) & correct
-        low = torch.where(good, mid, low)
-        high = torch.where(good, high, mid)
+    fractions = torch.arange(1, points + 1, device=device, dtype=dtype) / (points + 1)
+    index = torch.arange(points, device=device)
+    for _ in range(math.ceil(bits / math.log2(points + 1))):
+        grid = low[:, None] + (high - low)[:, None] * fractions  # (B, points), increasing
+        last = torch.where(ok(grid), index, -1).amax(dim=1)  # largest certified point, or -1
+        below = grid.gather(1, last.clamp(min=0)[:, None])[:, 0]
+        above = grid.gather(1, (last + 1).clamp(max=points - 1)[:, None])[:, 0]
+        low = torch.where(last >= 0, below, low)
+        high = torch.where(last + 1 < points, above, high)
     return torch.where(correct, low, torch.zeros_like(low))
