@@ -5,8 +5,14 @@ import math
 import pytest
 import torch
 
-from lofast.bounds.compose import (ROUNDING_MARGIN, LipschitzStep, ProjectionStep,
-                                   certified_radius, head_certified, propagate)
+from lofast.bounds.compose import (
+    ROUNDING_MARGIN,
+    LipschitzStep,
+    ProjectionStep,
+    certified_radius,
+    head_certified,
+    propagate,
+)
 
 
 def random_head(batch: int, classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

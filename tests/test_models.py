@@ -364,3 +364,30 @@ def test_training_caps_are_estimated_and_eval_caps_exact():
         model.train(training)
         norm = torch.linalg.matrix_norm(embed.effective_weight().detach(), ord=2).item()
         assert norm == pytest.approx(embed.cap, rel=rel)
+
+
+def test_batched_training_caps_match_one_at_a_time():
+    """spectral_caps estimates a block's same-shaped weights in one batched call: each result
+    is the weight capped with its own cap (a weight without a cap comes back unchanged), as
+    spectral_cap gives it alone, and gradients reach every weight."""
+    from lofast.models.layers import spectral_cap, spectral_caps
+
+    g = torch.Generator().manual_seed(3)
+    weights = {name: (torch.randn(32, 32, generator=g, dtype=torch.float64) * scale)
+               .requires_grad_() for name, scale in (("a", 0.02), ("b", 1.0), ("c", 5.0),
+                                                     ("d", 2.0))}
+    caps = {"a": 1.0, "b": 0.5, "c": 0.5, "d": None}
+    batched = spectral_caps(weights, caps, exact=False)
+    for name, cap in caps.items():
+        alone = spectral_cap(weights[name], cap, exact=False)
+        assert torch.allclose(batched[name], alone, rtol=1e-12, atol=0.0), name
+    assert batched["d"] is weights["d"]
+    assert torch.equal(batched["a"], weights["a"])  # under its cap: untouched
+    for name in "bc":
+        norm = torch.linalg.matrix_norm(batched[name].detach(), ord=2).item()
+        assert norm == pytest.approx(caps[name], rel=2e-3)
+    sum(w.sum() for w in batched.values()).backward()
+    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in weights.values())
+    exact = spectral_caps(weights, caps, exact=True)
+    assert torch.linalg.matrix_norm(exact["c"].detach(), ord=2).item() == pytest.approx(0.5,
+                                                                                      rel=1e-12)

@@ -401,6 +401,11 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
                                 centered_score_sensitivity=centered_score)
 
 
+def centered_rows(M: Tensor) -> Tensor:
+    """C M for the centring C = I - 1 1^T / n and M (..., n, k): M less the mean of its rows."""
+    return M - M.mean(dim=-2, keepdim=True)
+
+
 def centered_norm(Y: Tensor) -> Tensor:
     """Upper bounds on ||(I - 1 1^T / n) Y|| for matrices Y (..., n, k), float64: the norm of
     the computed centred matrix plus its rounding. Each computed entry is off by at most
@@ -408,7 +413,7 @@ def centered_norm(Y: Tensor) -> Tensor:
     sum of n terms, then one subtraction), so the error matrix has Frobenius norm at most
     3 gamma_(n+1) sqrt(n) ||Y||_F."""
     n = Y.shape[-2]
-    centered = Y - Y.mean(dim=-2, keepdim=True)
+    centered = centered_rows(Y)
     rounding = 3.0 * gamma(n + 1) * math.sqrt(n) * torch.linalg.vector_norm(Y, dim=(-2, -1))
     return matrix_norm_upper(centered) + rounding
 

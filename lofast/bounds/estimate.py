@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lofast.bounds.attention import TIGHT_KAPPA, AttentionSensitivity
+from lofast.bounds.attention import TIGHT_KAPPA, AttentionSensitivity, centered_rows
 from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.first_order import first_order_maps
 from lofast.bounds.krylov import LinearMap, power_iterate
@@ -132,12 +132,14 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
     # formed from (n, dh) products instead of (n, d) ones
     x_score_t = x_key @ row_space_factor(query.mT)  # X A_l^T up to an isometry on the right
     x_score = x_query @ row_space_factor(key.mT)  # X A_l, likewise (row norms kept)
-    x_score_norm = top_singular_value_estimate(x_score)  # (B, h)
-    score = top_singular_value_estimate(x_score_t) + x_score_norm
-    # ||C X A_l^T||, C = I - 1 1^T / n: the centred scores of the certifier (same isometry)
-    centered_score_t = top_singular_value_estimate(x_score_t - x_score_t.mean(dim=-2, keepdim=True))
     x_value_factor = x_value @ row_space_factor(output)  # X B_l, likewise
-    value_norm = top_singular_value_estimate(x_value_factor)  # (B, h) ||X B_l||
+    # with C = I - 1 1^T / n the centred ones of the certifier (same isometries); the five
+    # (B, h, n, dh) families in one batched estimate, one set of kernel launches
+    (x_score_norm, score_t_norm, centered_score_t, value_norm,
+     centered_value_norm) = top_singular_value_estimate(torch.stack([
+         x_score, x_score_t, centered_rows(x_score_t), x_value_factor,
+         centered_rows(x_value_factor)])).unbind(0)  # each (B, h)
+    score = score_t_norm + x_score_norm  # ||X A_l^T|| + ||X A_l||
     softmax = None
     if softmax_jacobian:
         # as in the certifier: the cheap bound sum_l ||J_l|| m_l ||X B_l|| / s on ||D_X||, and
@@ -157,8 +159,7 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
         score_weight_norm=product_norm(query, key.mT),
         value_weight_norm=product_norm(value, output), scale=float(w.scale),
         kappa=float(kappa), guarantee=Guarantee.ESTIMATE, softmax_first_order=softmax,
-        centered_value_norm=top_singular_value_estimate(
-            x_value_factor - x_value_factor.mean(dim=-2, keepdim=True)),
+        centered_value_norm=centered_value_norm,
         row_score_sensitivity=None if softmax is None else (
             centered_score_t + torch.linalg.vector_norm(x_score, dim=-1).amax(dim=-1)),
         centered_score_sensitivity=torch.minimum(score, centered_score_t + x_score_norm))
