@@ -65,7 +65,7 @@ class Shard(click.ParamType):
                    "every class in turn).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None,
               help="Samples certified together (default: 16 on CPU, where larger batches ran "
-                   "slower per sample in benchmarks/bench_certify.py, 256 on GPU).")
+                   "slower per sample in benchmarks/bench_certify.py, 1024 on a GPU).")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--bound", type=click.Choice(BOUNDS), default=CERTIFY_DEFAULTS.bound.value,
               show_default=True,
