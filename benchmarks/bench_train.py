@@ -2,12 +2,13 @@
 
     python benchmarks/bench_train.py [--preset paper-d3 | --checkpoint PATH] [--batch-size 256]
         [--steps 20] [--power-iterations 2] [--device auto] [--out bench_train.json]
-        [--profile profile.txt]
+        [--profile profile.txt] [--compile default|reduce-overhead]
 
 Times full optimisation steps (forward, loss, backward, AdamW) on random CIFAR-sized images, after
 warm-up steps, and extrapolates to one epoch of 50,000 images. Prints a table and writes JSON;
 --profile also runs five certified steps under torch.profiler and writes the operators that
-took the most time (device time on a GPU) to the named file.
+took the most time (device time on a GPU) to the named file; --compile adds a row for the
+certified step under torch.compile in that mode (compilation in the warm-up steps, untimed).
 A fresh model has live attention; a trained certified one (--checkpoint) has nearly uniform
 attention, where the training bound, like the certifier, skips the refinement's power steps.
 """
@@ -32,7 +33,8 @@ EPOCH_IMAGES = 50_000
 
 
 def seconds_per_step(config: TrainConfig, initial: LipschitzViT, device: torch.device,
-                     steps: int, warmup: int = 3, profile: str | None = None) -> float:
+                     steps: int, warmup: int = 3, profile: str | None = None,
+                     compile_mode: str | None = None) -> float:
     model = copy.deepcopy(initial).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     generator = torch.Generator().manual_seed(0)
@@ -41,6 +43,8 @@ def seconds_per_step(config: TrainConfig, initial: LipschitzViT, device: torch.d
     bound = (TrainingBound(config.power_iterations, softmax_jacobian=config.softmax_jacobian)
              if config.loss == "certified" else None)
     objective = TrainingObjective(model, config, bound)
+    if compile_mode is not None:
+        objective = torch.compile(objective, mode=compile_mode)
     use_amp = config.amp and device.type == "cuda"
     started = 0.0
     for step in range(warmup + steps):
@@ -85,6 +89,8 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default="bench_train.json")
     parser.add_argument("--profile", help="write a torch.profiler table of certified steps here")
+    parser.add_argument("--compile", choices=["default", "reduce-overhead", "max-autotune"],
+                        help="also time the certified step under torch.compile in this mode")
     args = parser.parse_args()
 
     device = resolve_device(args.device)
@@ -98,10 +104,13 @@ def main() -> None:
             batch_size=args.batch_size, loss="certified", train_eps=0.2,
             power_iterations=args.power_iterations, softmax_jacobian=False),
     }
+    if args.compile:
+        configs[f"certified, compiled ({args.compile})"] = configs["certified"]
     rows = {}
     for name, config in configs.items():
         step = seconds_per_step(config, initial, device, args.steps,
-                                profile=args.profile if name == "certified" else None)
+                                profile=args.profile if name == "certified" else None,
+                                compile_mode=args.compile if "compiled" in name else None)
         rows[name] = {"ms_per_step": 1e3 * step,
                       "images_per_second": args.batch_size / step,
                       "seconds_per_epoch": step * EPOCH_IMAGES / args.batch_size}

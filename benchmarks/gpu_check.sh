@@ -12,15 +12,18 @@
 #      (OUT/bench_train.json) and a torch.profiler table of certified steps (OUT/profile.txt);
 #   2. lofast certify of the shipped default on the whole DATA test split, exact guarantee,
 #      with its end-to-end wall time (OUT/certify_default.json; the time in OUT/log.txt);
+#      then (2b) step 1 again with the certified step under torch.compile in mode COMPILE
+#      (default reduce-overhead: CUDA graphs, against the launch overhead; COMPILE= skips it;
+#      OUT/bench_train_compiled.json);
 #   3. lofast train with TRAIN_ARGS (default: the live-attention recipe of lofast-live on the
 #      whole training set, float32 as on a CPU; with lr 2e-3 and bfloat16 autocast it fell to
-#      18 % within three epochs on an H200, docs/experiments.md 2026-11-26) until PASS_SECONDS (default 540) after the start of the pass,
-#      resumed from STATE when given (OUT/train.safetensors, its .state.pt for the next pass).
+#      18 % within three epochs on an H200, docs/experiments.md 2026-11-26) until PASS_SECONDS
+#      (default 540) after the start of the pass, resumed from STATE when given (OUT/train.safetensors, its .state.pt for the next pass).
 #      With EPOCHS=auto (the default, and not with STATE) a two-epoch probe measures an epoch
 #      first and the run gets as many epochs as fit, so its schedule ends inside the pass.
 #
 # Each step runs whatever became of the one before; everything printed goes to OUT/log.txt.
-# Environment: DEVICE (default cuda), BENCH_ARGS (more options of bench_train.py), LIMIT
+# Environment: DEVICE (default cuda), BENCH_ARGS (more options of bench_train.py), COMPILE, LIMIT
 # (certify only the first LIMIT test images; default all), PASS_SECONDS, TRAIN_ARGS, EPOCHS.
 # With DEVICE=cpu and a small LIMIT and PASS_SECONDS it runs anywhere, which is how it is
 # tested. Needs python3 with torch and lofast's dependencies; lofast itself is taken from
@@ -65,6 +68,15 @@ timeout 150 python3 -m lofast certify --data "$data" --device "$device" "${limit
     --eps 0.05 --eps 0.1 --eps 36/255 --json > "$out/certify_default.json" \
     || echo "certify: exit $?"
 python3 -c "print('certify_default seconds', round($(date +%s.%N) - $start, 2))"
+
+compile_mode=${COMPILE-reduce-overhead}  # set but empty: skipped
+if [ -n "$compile_mode" ]; then
+    echo "== 2b. training throughput under torch.compile ($(elapsed) s)"
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
+    timeout 240 python3 benchmarks/bench_train.py --preset lofast-s --device "$device" \
+        ${BENCH_ARGS:-} --compile "$compile_mode" \
+        --out "$out/bench_train_compiled.json" || echo "bench_train --compile: exit $?"
+fi
 
 resume=()
 if [ -n "$state" ]; then
