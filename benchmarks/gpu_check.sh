@@ -8,26 +8,28 @@
 # pass's OUT (its train.safetensors.state.pt), to resume that training where it stopped (bit for
 # bit: `lofast train --resume`).
 #
-#   1. benchmarks/bench_train.py on lofast-s: images/s of plain and certified steps
-#      (OUT/bench_train.json) and a torch.profiler table of certified steps (OUT/profile.txt);
+#   1. benchmarks/bench_train.py on lofast-s: images/s of plain and certified steps at each
+#      batch size of BENCH_BATCHES (default "1024 4096"; OUT/bench_train_bB.json), and a
+#      torch.profiler table of certified steps at the first (OUT/profile.txt);
 #   2. lofast certify of the shipped default on the whole DATA test split, exact guarantee,
 #      with its end-to-end wall time (OUT/certify_default.json; the time in OUT/log.txt);
-#      then (2b) step 1 again with the certified step under torch.compile in mode COMPILE
+#      2b. the certified step at the first batch size under torch.compile in mode COMPILE
 #      (default reduce-overhead: CUDA graphs, against the launch overhead; COMPILE= skips it;
 #      OUT/bench_train_compiled.json);
-#   3. lofast train with TRAIN_ARGS (default: the live-attention recipe of lofast-live on the
-#      whole training set, float32 as on a CPU; with lr 2e-3 and bfloat16 autocast it fell to
-#      18 % within three epochs on an H200, docs/experiments.md 2026-11-26) until PASS_SECONDS
-#      (default 540) after the start of the pass, resumed from STATE when given (OUT/train.safetensors, its .state.pt for the next pass).
-#      With EPOCHS=auto (the default, and not with STATE) a two-epoch probe measures an epoch
-#      first and the run gets as many epochs as fit, so its schedule ends inside the pass.
+#   3. lofast train with TRAIN_ARGS until PASS_SECONDS (default 540) after the start of the
+#      pass, resumed from STATE when given (OUT/train.safetensors, and its .state.pt for the
+#      next pass). The default TRAIN_ARGS: lofast-live's live-attention recipe on the whole
+#      training set in float32, as on a CPU (with lr 2e-3 and bfloat16 autocast it fell to 18 %
+#      within three epochs on an H200: docs/experiments.md, 2026-11-26). With EPOCHS=auto (the
+#      default; not with STATE) a two-epoch probe times an epoch first and the run gets as
+#      many epochs as fit, so that its schedule ends inside the pass.
 #
 # Each step runs whatever became of the one before; everything printed goes to OUT/log.txt.
-# Environment: DEVICE (default cuda), BENCH_ARGS (more options of bench_train.py), COMPILE, LIMIT
-# (certify only the first LIMIT test images; default all), PASS_SECONDS, TRAIN_ARGS, EPOCHS.
-# With DEVICE=cpu and a small LIMIT and PASS_SECONDS it runs anywhere, which is how it is
-# tested. Needs python3 with torch and lofast's dependencies; lofast itself is taken from
-# this checkout.
+# Environment: DEVICE (default cuda), BENCH_BATCHES, BENCH_ARGS (more options of
+# bench_train.py), COMPILE, LIMIT (certify only the first LIMIT test images; default all),
+# PASS_SECONDS, TRAIN_ARGS, EPOCHS. With DEVICE=cpu and a small LIMIT and PASS_SECONDS it runs
+# anywhere, which is how it is tested. Needs python3 with torch and lofast's dependencies;
+# lofast itself is taken from this checkout.
 set -uo pipefail
 if [ $# -lt 2 ]; then
     echo "usage: bash benchmarks/gpu_check.sh DATA OUT [STATE]" >&2
@@ -55,10 +57,18 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the benchmarks import thi
 python3 -c "import torch; print('torch', torch.__version__, 'device', '$device',
     torch.cuda.get_device_name() if '$device'.startswith('cuda') else 'cpu')"
 
-echo "== 1. training throughput ($(elapsed) s)"
-# shellcheck disable=SC2086  # BENCH_ARGS is a list of options
-timeout 150 python3 benchmarks/bench_train.py --preset lofast-s --device "$device" ${BENCH_ARGS:-} \
-    --out "$out/bench_train.json" --profile "$out/profile.txt" || echo "bench_train: exit $?"
+# the batch sizes timed: a certified step waits for kernel launches, whose count does not
+# grow with the batch, so a larger batch buys images/s until the device's own work dominates
+read -r -a batches <<< "${BENCH_BATCHES:-1024 4096}"
+profile=(--profile "$out/profile.txt")
+for batch in "${batches[@]}"; do
+    echo "== 1. training throughput at batch $batch ($(elapsed) s)"
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
+    timeout 150 python3 benchmarks/bench_train.py --preset lofast-s --device "$device" \
+        --power-iterations 1 --batch-size "$batch" ${BENCH_ARGS:-} \
+        --out "$out/bench_train_b$batch.json" "${profile[@]}" || echo "bench_train: exit $?"
+    profile=()  # the profile at the first batch size only
+done
 
 echo "== 2. certifying the default ($(elapsed) s)"
 limit=()
@@ -74,7 +84,7 @@ if [ -n "$compile_mode" ]; then
     echo "== 2b. training throughput under torch.compile ($(elapsed) s)"
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
     timeout 240 python3 benchmarks/bench_train.py --preset lofast-s --device "$device" \
-        ${BENCH_ARGS:-} --compile "$compile_mode" \
+        --power-iterations 1 --batch-size "${batches[0]}" ${BENCH_ARGS:-} --compile "$compile_mode" \
         --out "$out/bench_train_compiled.json" || echo "bench_train --compile: exit $?"
 fi
 
