@@ -10,8 +10,7 @@ from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.compose import ProjectionStep
 from lofast.bounds.estimate import (
     attention_sensitivity_estimate,
-    product_norm,
-    row_space_factor,
+    column_space_factors,
     top_singular_value_estimate,
 )
 from lofast.bounds.spectral import SpectralMethod
@@ -162,12 +161,24 @@ def test_warm_started_estimate_is_close_after_a_few_steps():
     assert (estimate.zeta >= exact[4:] * 0.98).all(), (estimate.zeta, exact[4:])
 
 
-def test_product_norm_matches_the_dense_norm():
+def test_column_space_factors_keep_the_norms_of_products():
+    """One batched QR gives factors R_i of W_i with ||Y W_i^T|| = ||Y R_i^T|| and
+    ||W_i W_j^T|| = ||R_i R_j^T||, as the training estimate uses them, with gradients."""
     g = torch.Generator().manual_seed(3)
-    left = torch.randn(4, 32, 6, generator=g, dtype=torch.float64)
-    right = torch.randn(4, 6, 32, generator=g, dtype=torch.float64)
-    dense = torch.linalg.matrix_norm(left @ right, ord=2)
-    assert torch.allclose(product_norm(left, right), dense, rtol=1e-10)
+    weights = [torch.randn(4, 32, 6, generator=g, dtype=torch.float64, requires_grad=True)
+               for _ in range(3)]
+    factors = column_space_factors(*weights)
+    assert factors.shape == (3, 4, 6, 6)
+    y = torch.randn(4, 5, 6, generator=g, dtype=torch.float64)
+    for i, (weight, factor) in enumerate(zip(weights, factors)):
+        assert torch.allclose(torch.linalg.matrix_norm(y @ factor.mT, ord=2),
+                              torch.linalg.matrix_norm(y @ weight.mT, ord=2), rtol=1e-10)
+        other = weights[(i + 1) % 3]
+        assert torch.allclose(
+            torch.linalg.matrix_norm(factor @ factors[(i + 1) % 3].mT, ord=2),
+            torch.linalg.matrix_norm(weight @ other.mT, ord=2), rtol=1e-10)
+    factors.sum().backward()
+    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in weights)
 
 
 @pytest.mark.parametrize("rows, cols", [(17, 16), (16, 17), (5, 5)])
@@ -198,17 +209,6 @@ def test_per_sample_norm_estimate_of_degenerate_matrices():
     value = top_singular_value_estimate(zero)
     value.sum().backward()
     assert torch.equal(value, torch.zeros(2)) and torch.equal(zero.grad, torch.zeros(2, 3, 4))
-
-
-@pytest.mark.parametrize("rows, cols", [(6, 32), (32, 6), (8, 8)])
-def test_row_space_factor_keeps_every_product_norm(rows, cols):
-    g = torch.Generator().manual_seed(4)
-    weight = torch.randn(3, rows, cols, generator=g, dtype=torch.float64)
-    left = torch.randn(3, 5, rows, generator=g, dtype=torch.float64)
-    factor = row_space_factor(weight)
-    assert factor.shape == (3, rows, min(rows, cols))
-    dense = torch.linalg.matrix_norm(left @ weight, ord=2)
-    assert torch.allclose(torch.linalg.matrix_norm(left @ factor, ord=2), dense, rtol=1e-10)
 
 
 @pytest.mark.parametrize("position_bias", [False, True])

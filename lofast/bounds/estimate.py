@@ -63,9 +63,12 @@ def top_singular_value_estimate(M: Tensor) -> Tensor:
     wide = M.shape[-2] < M.shape[-1]
     with torch.no_grad():
         gram = M @ M.mT if wide else M.mT @ M
-        for _ in range(GRAM_SQUARINGS):
-            trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1)
-            gram = gram / trace.clamp_min(torch.finfo(M.dtype).tiny)[..., None, None]  # finite powers
+        for step in range(GRAM_SQUARINGS):
+            if step % 2 == 0:
+                # divided by its trace every second squaring: the top eigenvalue of an r x r
+                # Gram matrix then stays in [r^-4, 1], far inside float32's range (and bf16's)
+                trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1)
+                gram = gram / trace.clamp_min(torch.finfo(M.dtype).tiny)[..., None, None]
             gram = gram @ gram
         column = gram.diagonal(dim1=-2, dim2=-1).argmax(-1)  # (...)
         v = torch.take_along_dim(gram, column[..., None, None], dim=-1)  # (..., r, 1)
@@ -73,18 +76,12 @@ def top_singular_value_estimate(M: Tensor) -> Tensor:
     return torch.linalg.vector_norm(v.mT @ M if wide else M @ v, dim=(-2, -1))
 
 
-def row_space_factor(W: Tensor) -> Tensor:
-    """F (..., k, min(k, d)) with ||Y W|| = ||Y F|| for every Y, for W (..., k, d), differentiable.
-
-    With W^T = Q R (reduced QR, orthonormal columns Q), Y W = (Y R^T) Q^T and Q^T preserves
-    the norm; for wide W (k < d) products with F are d/k times cheaper than with W."""
-    return torch.linalg.qr(W.mT).R.mT
-
-
-def product_norm(left: Tensor, right: Tensor) -> Tensor:
-    """||L R|| for thin factors L (..., d, k), R (..., k, d) with k <= d, differentiable: the k x k
-    problem ||R_L F_R|| with L = Q_L R_L (reduced QR) and F_R = row_space_factor(R)."""
-    return top_singular_value(torch.linalg.qr(left).R @ row_space_factor(right))
+def column_space_factors(*weights: Tensor) -> Tensor:
+    """R (m, ..., k, k) for m thin weights W_i (..., d, k) of one shape, k <= d: W_i = Q_i R_i
+    (reduced QR, orthonormal columns Q_i), all in one batched factorisation, differentiable.
+    Q_i preserves norms, so ||Y W_i^T|| = ||Y R_i^T|| and ||W_i W_j^T|| = ||R_i R_j^T|| for
+    every Y: products with R_i are d/k times cheaper than with W_i."""
+    return torch.linalg.qr(torch.stack(weights)).R
 
 
 def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float = TIGHT_KAPPA,
@@ -127,12 +124,15 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
     zeta, zeta_vector = estimated_norm(start[:, 0],
                                        *first_order_maps(probs, value, output, w.residual))
     vectors = [zeta_vector]
-    # ||X A_l^T|| = ||(X Wk_l) Wq_l^T||, ||X A_l|| = ||(X Wq_l) Wk_l^T||, ||X B_l|| = ||(X Wv_l) Wo_l||:
-    # each right factor is replaced by its row-space factor, so the per-sample Gram matrices are
-    # formed from (n, dh) products instead of (n, d) ones
-    x_score_t = x_key @ row_space_factor(query.mT)  # X A_l^T up to an isometry on the right
-    x_score = x_query @ row_space_factor(key.mT)  # X A_l, likewise (row norms kept)
-    x_value_factor = x_value @ row_space_factor(output)  # X B_l, likewise
+    # ||X A_l^T|| = ||(X Wk_l) Wq_l^T||, ||X A_l|| = ||(X Wq_l) Wk_l^T||, ||X B_l|| = ||(X Wv_l) Wo_l||
+    # with each right factor replaced by the (dh, dh) factor of its column space (Wq_l = Q_q R_q,
+    # and Wk_l, Wv_l, Wo_l^T alike): the per-sample Gram matrices come from (n, dh) products
+    # instead of (n, d) ones
+    r_query, r_key, r_value, r_output = column_space_factors(query, key, value,
+                                                             output.mT).unbind(0)
+    x_score_t = x_key @ r_query.mT  # X A_l^T up to an isometry on the right (row norms kept)
+    x_score = x_query @ r_key.mT  # X A_l, likewise
+    x_value_factor = x_value @ r_output.mT  # X B_l, likewise
     # with C = I - 1 1^T / n the centred ones of the certifier (same isometries); the five
     # (B, h, n, dh) families in one batched estimate, one set of kernel launches
     (x_score_norm, score_t_norm, centered_score_t, value_norm,
@@ -140,6 +140,8 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
          x_score, x_score_t, centered_rows(x_score_t), x_value_factor,
          centered_rows(x_value_factor)])).unbind(0)  # each (B, h)
     score = score_t_norm + x_score_norm  # ||X A_l^T|| + ||X A_l||
+    score_weight_norm, value_weight_norm = top_singular_value(torch.stack([
+        r_query @ r_key.mT, r_value @ r_output.mT])).unbind(0)  # ||A_l||, ||B_l||, each (h,)
     softmax = None
     if softmax_jacobian:
         # as in the certifier: the cheap bound sum_l ||J_l|| m_l ||X B_l|| / s on ||D_X||, and
@@ -156,8 +158,8 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
         vectors.append(softmax_vector)
     sensitivity = AttentionSensitivity(
         zeta=zeta, score_sensitivity=score, value_norm=value_norm,
-        score_weight_norm=product_norm(query, key.mT),
-        value_weight_norm=product_norm(value, output), scale=float(w.scale),
+        score_weight_norm=score_weight_norm, value_weight_norm=value_weight_norm,
+        scale=float(w.scale),
         kappa=float(kappa), guarantee=Guarantee.ESTIMATE, softmax_first_order=softmax,
         centered_value_norm=centered_value_norm,
         row_score_sensitivity=None if softmax is None else (
