@@ -7,8 +7,10 @@ every bound are computed in float64 from the effective weights the model reports
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +25,7 @@ from lofast.bounds.spectral import (
     matrix_norm_upper,
     weakest_guarantee,
 )
-from lofast.bounds.stages import EmbedSpec, HeadSpec, check_stage, radius_maps
+from lofast.bounds.stages import EmbedSpec, HeadSpec, StageSpec, check_stage, radius_maps
 from lofast.config import CERTIFY_DEFAULTS, GUARANTEES, KAPPAS, Bound
 from lofast.errors import CertificationError
 from lofast.models.vit import LipschitzViT
@@ -140,6 +142,32 @@ class VerifiedNorms:
             method=self.settings.method, generator=self.generator)
 
 
+# The stage specs of the last models certified in this process, with the weights-only
+# quantities they cache (verified norms, deflations: seconds of float64 factorisations per
+# model), keyed by a digest of the model's config, float64 weights and device. A second
+# Certifier of the same weights (repeated ``lofast.certify`` calls, a notebook) reuses them;
+# any change of a weight gives another digest and a fresh computation.
+_STRUCTURES: OrderedDict[str, list[StageSpec]] = OrderedDict()
+STRUCTURES_KEPT = 4
+
+
+def shared_structure(model: LipschitzViT) -> list[StageSpec]:
+    """``model.structure()`` of a float64 model in eval mode whose weights stay fixed, shared
+    with earlier certifiers of identical weights in this process."""
+    digest = hashlib.sha256(repr(model.config).encode())
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)} {tensor.device}".encode())
+        digest.update(tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+                      .numpy().tobytes())
+    key = digest.hexdigest()
+    if key not in _STRUCTURES:
+        _STRUCTURES[key] = model.structure()
+        while len(_STRUCTURES) > STRUCTURES_KEPT:
+            _STRUCTURES.popitem(last=False)
+    _STRUCTURES.move_to_end(key)
+    return _STRUCTURES[key]
+
+
 class Certifier:
     """Certifies batches of images for one model; per-model quantities are computed once.
 
@@ -155,7 +183,7 @@ class Certifier:
         with torch.no_grad():
             self.model.hold_effective_weights(True)  # the copy's weights never change
         # specs on the certifier's device; an attention spec caches its weights-only norms
-        self.structure = self.model.structure()
+        self.structure = shared_structure(self.model)
         if not isinstance(self.structure[0], EmbedSpec) or not isinstance(self.structure[-1], HeadSpec):
             raise CertificationError("model must start with a patch embedding and end with a head")
         for i, spec in enumerate(self.structure):

@@ -1,11 +1,13 @@
 """End-to-end soundness of certificates on a small trained model: PGD finds nothing."""
 
+import collections
 import copy
 
 import pytest
 import torch
 from helpers import train_tiny
 
+from lofast import certificate as certificate_module
 from lofast.attack import pgd_l2
 from lofast.bounds.compose import propagate
 from lofast.bounds.spectral import Guarantee, SpectralMethod
@@ -152,6 +154,8 @@ def test_first_projection_bound_skips_the_class_token(monkeypatch):
 
     steps = first_two_steps(certifier)
     monkeypatch.setattr(PatchEmbed, "constant_tokens", 0)
+    # specs built by the patched code, not those of an earlier certifier of the same weights
+    monkeypatch.setattr(certificate_module, "_STRUCTURES", collections.OrderedDict())
     every_token = first_two_steps(Certifier(model, exact))
     for eps in (0.02, 0.2):
         radius = torch.full((len(x), 1), eps, dtype=torch.float64)
@@ -196,6 +200,24 @@ def test_certifier_computes_the_capped_weights_once(trained, certificate, monkey
     assert caps == []  # no SVD per batch: the copy holds its effective weights
     assert torch.equal(held.margins, certificate.margins)
     assert torch.equal(held.radius(), certificate.radius())
+
+
+def test_certifiers_of_identical_weights_share_the_per_model_quantities(trained, certificate):
+    """A second Certifier of the same weights reuses the stage specs (and the verified norms
+    they cache); a model differing in one weight gets its own, with its own certificate."""
+    model, x, y = trained
+    first, second = Certifier(model), Certifier(copy.deepcopy(model))
+    assert second.structure is first.structure
+    assert torch.equal(second.certify(x, y).radius(), certificate.radius())
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        weight = changed.stages[0].weight
+        weight[0, 0] = torch.nextafter(weight[0, 0], torch.tensor(1.0, dtype=weight.dtype))
+    other = Certifier(changed)
+    assert other.structure is not first.structure
+    certificate_module._STRUCTURES.clear()  # the same model afresh: the same certificate
+    alone = Certifier(changed).certify(x, y)
+    assert torch.equal(alone.radius(), other.certify(x, y).radius())
 
 
 def test_probabilistic_and_exact_agree(trained):
