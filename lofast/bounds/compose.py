@@ -2,7 +2,7 @@
 
 Every stage maps an input radius eps (B, E) to an output radius, and every such map is
 nondecreasing in eps; so the certified set of radii of a sample is an interval [0, r) and the
-radius r follows by bisection. The stage quantities depend on the clean input only: they are
+radius r follows by a search (``certified_radius``). The stage quantities depend on the clean input only: they are
 computed once per sample and reused for any number of eps values.
 """
 
