@@ -18,11 +18,14 @@
 #      OUT/bench_train_compiled.json);
 #   3. lofast train with TRAIN_ARGS until PASS_SECONDS (default 540) after the start of the
 #      pass, resumed from STATE when given (OUT/train.safetensors, and its .state.pt for the
-#      next pass). The default TRAIN_ARGS: lofast-live's live-attention recipe on the whole
-#      training set in float32, as on a CPU (with lr 2e-3 and bfloat16 autocast it fell to 18 %
-#      within three epochs on an H200: docs/experiments.md, 2026-11-26). With EPOCHS=auto (the
-#      default; not with STATE) a two-epoch probe times an epoch first and the run gets as
-#      many epochs as fit, so that its schedule ends inside the pass.
+#      next pass). The default TRAIN_ARGS: the shipped default's architecture and certified
+#      loss (eps 0.15) with augmentation, in float32 as on a CPU, for as many epochs as the GPU
+#      gives (lofast-live's reward recipe collapsed at the end of its radius ramp on the whole
+#      training set at batch 1024, on an H200 and on a CPU alike: docs/experiments.md,
+#      2026-11-26; a wider model's state would not fit the 16 MiB a file that comes back from
+#      the device may have). With EPOCHS=auto (the default; not with STATE) a two-epoch probe
+#      times an epoch first and the run gets as many epochs as fit, so that its schedule ends
+#      inside the pass.
 #
 # Each step runs whatever became of the one before; everything printed goes to OUT/log.txt.
 # Environment: DEVICE (default cuda), BENCH_BATCHES, BENCH_ARGS (more options of
@@ -42,11 +45,8 @@ device=${DEVICE:-cuda}
 pass_seconds=${PASS_SECONDS:-540}
 epochs=${EPOCHS:-auto}
 train_args=${TRAIN_ARGS:-"--preset lofast-s --model-option depth=6 --model-option position_bias=true \
---model-option heads=1 --model-option query_key=identity --model-option value_output=identity \
---model-option score_norm=32 --model-option value_norm=0.5 --model-option live_blocks=1 \
---model-option live_first=true --lr 1e-3 --batch-size 1024 --warmup-epochs 1 --temperature 0.25 \
---loss certified --train-eps 0.02 --eps-ramp-epochs 2 --power-iterations 1 \
---ablation-margin 1 --ablation-weight 2 --no-amp --no-augment"}
+--lr 2e-3 --batch-size 1024 --warmup-epochs 2 --temperature 0.25 --loss certified --train-eps 0.15 \
+--eps-ramp-epochs 5 --power-iterations 1 --no-amp"}
 export PYTHONUNBUFFERED=1
 begin=$(date +%s)
 cd "$(dirname "$0")/.."
