@@ -9,6 +9,10 @@ warm-up steps, and extrapolates to one epoch of 50,000 images. Prints a table an
 --profile also runs five certified steps under torch.profiler and writes the operators that
 took the most time (device time on a GPU) to the named file; --compile adds a row for the
 certified step under torch.compile in that mode (compilation in the warm-up steps, untimed).
+Each eager row also counts the operators that launch work in one forward and backward pass
+(views and other metadata-only operators left out; the optimizer's few fused kernels too): on
+a GPU a step of these small tensors waits for the host to launch them, so the count predicts
+the GPU's time per step where no GPU is at hand.
 A fresh model has live attention; a trained certified one (--checkpoint) has nearly uniform
 attention, where the training bound, like the certifier, skips the refinement's power steps.
 """
@@ -22,6 +26,7 @@ import platform
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lofast.checkpoint import load_checkpoint
 from lofast.config import TrainConfig, preset
@@ -31,10 +36,28 @@ from lofast.training_bound import TrainingBound
 
 EPOCH_IMAGES = 50_000
 
+# Operators that only relabel memory (is_view covers the rest of the views).
+METADATA_ONLY = {"_unsafe_view", "_reshape_alias", "alias", "detach", "lift_fresh"}
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts the operators dispatched inside it that do work (not views)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket.__name__ not in METADATA_ONLY:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
 
 def seconds_per_step(config: TrainConfig, initial: LipschitzViT, device: torch.device,
                      steps: int, warmup: int = 3, profile: str | None = None,
-                     compile_mode: str | None = None) -> float:
+                     compile_mode: str | None = None) -> tuple[float, int | None]:
+    """Seconds per optimisation step, and the operators launched by one forward and backward
+    pass (None under torch.compile, whose kernels bypass the dispatcher)."""
     model = copy.deepcopy(initial).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     generator = torch.Generator().manual_seed(0)
@@ -59,7 +82,15 @@ def seconds_per_step(config: TrainConfig, initial: LipschitzViT, device: torch.d
     if profile is not None:
         write_profile(profile, device, lambda: training_step(objective, optimizer, x, y,
                                                              config.train_eps, use_amp))
-    return seconds
+    launches = None
+    if compile_mode is None:
+        with LaunchCounter() as counter:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
+                loss, _ = objective(x, y, config.train_eps)
+            loss.backward()
+        optimizer.zero_grad(set_to_none=True)
+        launches = counter.count
+    return seconds, launches
 
 
 def write_profile(path: str, device: torch.device, step, steps: int = 5) -> None:
@@ -108,14 +139,17 @@ def main() -> None:
         configs[f"certified, compiled ({args.compile})"] = configs["certified"]
     rows = {}
     for name, config in configs.items():
-        step = seconds_per_step(config, initial, device, args.steps,
-                                profile=args.profile if name == "certified" else None,
-                                compile_mode=args.compile if "compiled" in name else None)
+        step, launches = seconds_per_step(
+            config, initial, device, args.steps,
+            profile=args.profile if name == "certified" else None,
+            compile_mode=args.compile if "compiled" in name else None)
         rows[name] = {"ms_per_step": 1e3 * step,
                       "images_per_second": args.batch_size / step,
-                      "seconds_per_epoch": step * EPOCH_IMAGES / args.batch_size}
+                      "seconds_per_epoch": step * EPOCH_IMAGES / args.batch_size,
+                      "launches_per_step": launches}
         print(f"{name:26s} {1e3 * step:8.1f} ms/step  {args.batch_size / step:8.0f} img/s  "
-              f"{rows[name]['seconds_per_epoch']:7.1f} s/epoch", flush=True)
+              f"{rows[name]['seconds_per_epoch']:7.1f} s/epoch  {launches or '-':>6} launches",
+              flush=True)
     ratio = rows["certified"]["ms_per_step"] / rows["ce"]["ms_per_step"]
     unrefined = rows["certified, no refinement"]["ms_per_step"] / rows["ce"]["ms_per_step"]
     print(f"certified / plain: {ratio:.2f}x (without the refinement: {unrefined:.2f}x)")
