@@ -25,7 +25,7 @@
 #      2026-11-26; a wider model's state would not fit the 16 MiB a file that comes back from
 #      the device may have). With EPOCHS=auto (the default; not with STATE) a two-epoch probe
 #      times an epoch first and the run gets as many epochs as fit, so that its schedule ends
-#      inside the pass.
+#      inside the pass; a resuming pass takes the epochs from STATE.
 #
 # Each step runs whatever became of the one before; everything printed goes to OUT/log.txt.
 # Environment: DEVICE (default cuda), BENCH_BATCHES, BENCH_ARGS (more options of
@@ -92,6 +92,10 @@ resume=()
 if [ -n "$state" ]; then
     cp "$state"/train.safetensors* "$out/"  # the state, and the checkpoint once written
     resume=(--resume)
+    if [ "$epochs" = auto ]; then  # a resume needs the epochs that the first pass chose
+        epochs=$(python3 -c "import torch; print(torch.load('$out/train.safetensors.state.pt',
+            weights_only=False)['train_config']['epochs'])")
+    fi
 elif [ "$epochs" = auto ]; then
     echo "== 3a. two-epoch probe ($(elapsed) s)"
     probe=$(mktemp -d)
