@@ -22,16 +22,17 @@
 #      loss (eps 0.15) with augmentation, in float32 as on a CPU, for as many epochs as the GPU
 #      gives (lofast-live's reward recipe collapsed at the end of its radius ramp on the whole
 #      training set at batch 1024, on an H200 and on a CPU alike: docs/experiments.md,
-#      2026-11-26; a wider model's state would not fit the 16 MiB a file that comes back from
-#      the device may have). With EPOCHS=auto (the default; not with STATE) a two-epoch probe
-#      times an epoch first and the run gets as many epochs as fit, so that its schedule ends
-#      inside the pass; a resuming pass takes the epochs from STATE.
+#      2026-11-26). A state over 15 MiB (a wider model's) is written in parts of 15 MiB, as a
+#      file that comes back from the device may have at most 16 MiB. With EPOCHS=auto (the
+#      default; not with STATE) a two-epoch probe times an epoch first and the run gets as many
+#      epochs as fit, so that its schedule ends inside the pass; a resuming pass takes the
+#      epochs from STATE.
 #
 # Each step runs whatever became of the one before; everything printed goes to OUT/log.txt.
-# Environment: DEVICE (default cuda), BENCH_BATCHES, BENCH_ARGS (more options of
-# bench_train.py), COMPILE, LIMIT (certify only the first LIMIT test images; default all),
-# PASS_SECONDS, TRAIN_ARGS, EPOCHS. With DEVICE=cpu and a small LIMIT and PASS_SECONDS it runs
-# anywhere, which is how it is tested. Needs python3 with torch and lofast's dependencies;
+# Environment: DEVICE (default cuda), BENCH_BATCHES (set but empty: no step 1), BENCH_ARGS
+# (more options of bench_train.py), COMPILE, LIMIT (certify only the first LIMIT test images;
+# default all), PASS_SECONDS, TRAIN_ARGS, EPOCHS, PART_MIB (default 15). With DEVICE=cpu and a
+# small LIMIT and PASS_SECONDS it runs anywhere, which is how it is tested. Needs python3 with torch and lofast's dependencies;
 # lofast itself is taken from this checkout.
 set -uo pipefail
 if [ $# -lt 2 ]; then
@@ -59,7 +60,7 @@ python3 -c "import torch; print('torch', torch.__version__, 'device', '$device',
 
 # the batch sizes timed: a certified step waits for kernel launches, whose count does not
 # grow with the batch, so a larger batch buys images/s until the device's own work dominates
-read -r -a batches <<< "${BENCH_BATCHES:-1024 4096}"
+read -r -a batches <<< "${BENCH_BATCHES-1024 4096}"  # set but empty: none
 profile=(--profile "$out/profile.txt")
 for batch in "${batches[@]}"; do
     echo "== 1. training throughput at batch $batch ($(elapsed) s)"
@@ -84,13 +85,14 @@ if [ -n "$compile_mode" ]; then
     echo "== 2b. training throughput under torch.compile ($(elapsed) s)"
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
     timeout 240 python3 benchmarks/bench_train.py --preset lofast-s --device "$device" \
-        --power-iterations 1 --batch-size "${batches[0]}" ${BENCH_ARGS:-} --compile "$compile_mode" \
+        --power-iterations 1 --batch-size "${batches[0]:-1024}" ${BENCH_ARGS:-} --compile "$compile_mode" \
         --out "$out/bench_train_compiled.json" || echo "bench_train --compile: exit $?"
 fi
 
 resume=()
 if [ -n "$state" ]; then
-    cp "$state"/train.safetensors* "$out/"  # the state, and the checkpoint once written
+    cp "$state"/train.safetensors "$out/" 2>/dev/null  # the checkpoint once written
+    cat "$state"/train.safetensors.state.pt* > "$out/train.safetensors.state.pt"  # or its parts
     resume=(--resume)
     if [ "$epochs" = auto ]; then  # a resume needs the epochs that the first pass chose
         epochs=$(python3 -c "import torch; print(torch.load('$out/train.safetensors.state.pt',
@@ -102,9 +104,10 @@ elif [ "$epochs" = auto ]; then
     # shellcheck disable=SC2086  # TRAIN_ARGS is a list of options
     python3 -m lofast train --dataset cifar10 --data "$data" --device "$device" $train_args \
         --epochs 2 --out "$probe/probe.safetensors" > "$probe/log" 2>&1 || tail -3 "$probe/log"
-    left=$((pass_seconds - $(elapsed) - 30))  # 30 s for loading the data and the last write
+    # 30 s for loading the data and the last write; 2 s an epoch for its test and state write
+    left=$((pass_seconds - $(elapsed) - 30))
     epochs=$(python3 -c "import torch; h = torch.load('$probe/probe.safetensors.state.pt',
-        weights_only=False)['history'][-1]; print(max(1, int(0.9 * $left / (h['seconds'] + 1))))")
+        weights_only=False)['history'][-1]; print(max(1, int(0.9 * $left / (h['seconds'] + 2))))")
     echo "probe: $(python3 -c "import torch; print(torch.load('$probe/probe.safetensors.state.pt',
         weights_only=False)['history'][-1])"); $left s left: $epochs epochs"
 fi
@@ -115,4 +118,11 @@ echo "== 3. training until ${pass_seconds} s ($(elapsed) s)"
 python3 -m lofast train --dataset cifar10 --data "$data" --device "$device" $train_args \
     "${epoch_option[@]}" --time-limit $((pass_seconds - $(elapsed))) \
     --out "$out/train.safetensors" "${resume[@]}" || echo "train: exit $?"
+# a file that comes back from the device has at most 16 MiB: a wider model's state comes back in
+# parts (train.safetensors.state.pt.part0, ...), which a resuming pass joins again
+state_file="$out/train.safetensors.state.pt"
+part_bytes=$((${PART_MIB:-15} * 1024 * 1024))
+if [ -f "$state_file" ] && [ "$(stat -c %s "$state_file")" -gt "$part_bytes" ]; then
+    split -b "$part_bytes" -d -a 1 "$state_file" "$state_file.part" && rm "$state_file"
+fi
 echo "== done ($(elapsed) s)"

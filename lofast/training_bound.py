@@ -28,10 +28,18 @@ class TrainingBound:
 
     The stages are walked by ``bounds.stages.radius_maps``, the certifier's walk, with this
     object as the ``StageNorms``: the embedding norm from a Gram eigenvalue (no SVD), attention
-    from ``attention_sensitivity_estimate``. It holds the power-iteration vectors of every
-    attention stage between calls (warm starts); ``state``/``load_state`` save and restore them
-    with the training state.
+    from ``attention_sensitivity_estimate``. It holds, for every attention stage, the final
+    power-iteration vectors of the first WARM_STARTS samples of the last call, and starts the
+    next call's samples from them in turn; ``state``/``load_state`` save and restore them with
+    the training state.
     """
+
+    # A sample's warm start comes from another image anyway (the batch changes every step): 16
+    # vectors start one power step as well as one per sample of the previous batch (both reach
+    # 0.82 of the converged zeta in the worst sample of a batch, random starts 0.80;
+    # benchmarks/warm_starts.py), and keep the training state small (one per sample of a batch
+    # of 1024 at width 256: 214 MB)
+    WARM_STARTS = 16
 
     def __init__(self, iterations: int = 2, kappa: float = 0.5, softmax_jacobian: bool = True,
                  generator: torch.Generator | None = None) -> None:
@@ -62,10 +70,13 @@ class TrainingBound:
         return top_singular_value(weight)
 
     def attention(self, index: int, tokens: Tensor, spec: AttentionSpec) -> RadiusMap:
-        sensitivity, self.vectors[index] = attention_sensitivity_estimate(
-            tokens, spec, kappa=self.kappa, start=self.vectors.get(index),
-            iterations=self.iterations, softmax_jacobian=self.softmax_jacobian,
-            generator=self.generator)
+        start = self.vectors.get(index)
+        if start is not None:  # the kept vectors in turn, one per sample
+            start = start.repeat(-(-tokens.shape[0] // start.shape[0]), 1, 1, 1)[:tokens.shape[0]]
+        sensitivity, vectors = attention_sensitivity_estimate(
+            tokens, spec, kappa=self.kappa, start=start, iterations=self.iterations,
+            softmax_jacobian=self.softmax_jacobian, generator=self.generator)
+        self.vectors[index] = vectors[:self.WARM_STARTS].clone()  # not a view of the batch's
         return sensitivity
 
     def state(self) -> dict[str, Tensor]:

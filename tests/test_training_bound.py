@@ -79,6 +79,28 @@ def test_training_bound_agrees_with_the_certifier_stage_by_stage(position_bias):
     assert (radius <= reference * (1 + 1e-6)).all() and (radius >= reference * (1 - 1e-4)).all()
 
 
+def test_kept_warm_starts_are_few_and_start_the_samples_in_turn():
+    """The bound keeps WARM_STARTS vectors per attention stage (its state does not grow with the
+    batch) and starts sample i of the next batch from vector i mod WARM_STARTS: after converging
+    on 16 images, one power step gives the converged radius to each of them repeated three
+    times (in another order it would not)."""
+    model = small_model(position_bias=True)
+    kept = TrainingBound.WARM_STARTS
+    x = images(kept, seed=3)
+    bound = TrainingBound(1000, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, converged = bound(model, x, 0.1)
+        bound.iterations = 1
+        _, radius = bound(model, x.repeat(3, 1, 1, 1), 0.1)
+    assert torch.allclose(radius, converged.repeat(3), rtol=1e-5, atol=0)  # other starts: 4e-2
+    state = bound.state()
+    assert state and all(v.shape[0] == kept and v.untyped_storage().nbytes() == v.nbytes
+                         for v in state.values())  # a copy, not a view of the batch's vectors
+    with torch.no_grad():  # a batch smaller than the kept vectors takes the first of them
+        _, few = bound(model, x[:3], 0.1)
+    assert torch.allclose(few, converged[:3], rtol=1e-5, atol=0)
+
+
 def test_explicit_norms_equal_the_certifiers():
     """The per-sample score and value norms (formed from thin factors) are the certifier's
     (whose explicit norms are upper bounds a few ulps above the exact ones). Gaussian weights:
