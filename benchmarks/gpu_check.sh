@@ -22,11 +22,11 @@
 #      0.15, float32 as on a CPU, no augmentation) at width 256, for as many epochs as the GPU
 #      gives (46.0 % test accuracy after 32 epochs, still rising, in the first such run;
 #      lofast-live's reward recipe collapsed at the end of its radius ramp on the whole training
-#      set at batch 1024, on an H200 and on a CPU alike: docs/experiments.md, 2026-11-26). A state over 15 MiB (a wider model's) is written in parts of 15 MiB, as a
-#      file that comes back from the device may have at most 16 MiB. With EPOCHS=auto (the
-#      default; not with STATE) a two-epoch probe times an epoch first and the run gets as many
-#      epochs as fit, so that its schedule ends inside the pass; a resuming pass takes the
-#      epochs from STATE.
+#      set at batch 1024, on an H200 and on a CPU alike: docs/experiments.md, 2026-11-26). A
+#      state over 15 MiB is written in parts of 15 MiB, as a file that comes back from the
+#      device may have at most 16 MiB. With EPOCHS=auto (the default; not with STATE) a
+#      two-epoch probe times an epoch first and the run gets as many epochs as fit, so that its
+#      schedule ends inside the pass; a resuming pass takes the epochs from STATE.
 #
 # Each step runs whatever became of the one before; everything printed goes to OUT/log.txt.
 # Environment: DEVICE (default cuda), BENCH_BATCHES (set but empty: no step 1), BENCH_ARGS
