@@ -32,8 +32,8 @@
 # Environment: DEVICE (default cuda), BENCH_BATCHES (set but empty: no step 1), BENCH_ARGS
 # (more options of bench_train.py), COMPILE, LIMIT (certify only the first LIMIT test images;
 # default all), PASS_SECONDS, TRAIN_ARGS, EPOCHS, PART_MIB (default 15). With DEVICE=cpu and a
-# small LIMIT and PASS_SECONDS it runs anywhere, which is how it is tested. Needs python3 with torch and lofast's dependencies;
-# lofast itself is taken from this checkout.
+# small LIMIT and PASS_SECONDS it runs anywhere, which is how it is tested. Needs python3 with
+# torch and lofast's dependencies; lofast itself is taken from this checkout.
 set -uo pipefail
 if [ $# -lt 2 ]; then
     echo "usage: bash benchmarks/gpu_check.sh DATA OUT [STATE]" >&2
@@ -86,7 +86,8 @@ if [ -n "$compile_mode" ]; then
     echo "== 2b. training throughput under torch.compile ($(elapsed) s)"
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
     timeout 240 python3 benchmarks/bench_train.py --preset lofast-s --device "$device" \
-        --power-iterations 1 --batch-size "${batches[0]:-1024}" ${BENCH_ARGS:-} --compile "$compile_mode" \
+        --power-iterations 1 --batch-size "${batches[0]:-1024}" ${BENCH_ARGS:-} \
+        --compile "$compile_mode" \
         --out "$out/bench_train_compiled.json" || echo "bench_train --compile: exit $?"
 fi
 
