@@ -878,7 +878,9 @@ def test_centred_score_terms_bound_their_dense_operators(score_bound, shared):
 
 def sphere_pgd_maximum(objective, X, eps, generator, restarts=3, steps=60):
     """max over restarts of objective(G) (B,) for perturbations G of X's shape (B, n, d) on the
-    sphere ||G||_F = eps, by normalised gradient ascent with projection back onto it."""
+    sphere ||G_b||_F = eps_b (eps: a number or (B,)), by normalised gradient ascent with
+    projection back onto it."""
+    eps = torch.as_tensor(eps, dtype=torch.float64).expand(X.shape[0])[:, None, None]
     best = torch.zeros(X.shape[0], dtype=torch.float64)
     for _ in range(restarts):
         G = torch.randn(X.shape, generator=generator, dtype=torch.float64)
@@ -890,8 +892,17 @@ def sphere_pgd_maximum(objective, X, eps, generator, restarts=3, steps=60):
             best = torch.maximum(best, value.detach())
             with torch.no_grad():
                 G = G + 0.2 * eps * grad / grad.flatten(1).norm(dim=1).clamp_min(1e-300)[:, None, None]
-                G = G * (eps / G.flatten(1).norm(dim=1))[:, None, None]
+                G = G * (eps / G.flatten(1).norm(dim=1)[:, None, None])
     return best
+
+
+def attacked_at_radii(objective, X, radii, generator):
+    """sphere_pgd_maximum at every radius in one batched attack: (len(radii), B), the objective
+    taking the stacked tokens (len(radii) B, n, d) and perturbations of that shape."""
+    eps = torch.tensor(radii, dtype=torch.float64).repeat_interleave(X.shape[0])
+    stacked = X.repeat(len(radii), 1, 1)
+    return sphere_pgd_maximum(lambda G: objective(stacked, G), stacked, eps,
+                              generator).view(len(radii), X.shape[0])
 
 
 @pytest.mark.parametrize("residual", [True, False])
@@ -912,16 +923,14 @@ def test_second_order_terms_bound_the_nonlinear_part(residual, row_norm, shared)
                                     centered_score_sensitivity=None)
     some = torch.full((2,), 0.3, dtype=torch.float64)
     assert (sens.second_order_terms(some) < uncentred.second_order_terms(some)).all()
-    clean = attention_forward(X, w)
+    def nonlinear(Y, G):
+        clean, linear = torch.func.jvp(lambda Z: attention_forward(Z, w), (Y,), (G,))
+        return (attention_forward(Y + G, w) - clean - linear).flatten(1).norm(dim=1)
 
-    def nonlinear(G):
-        _, linear = torch.func.jvp(lambda Z: attention_forward(Z, w), (X,), (G,))
-        return (attention_forward(X + G, w) - clean - linear).flatten(1).norm(dim=1)
-
-    g = torch.Generator().manual_seed(51)
-    for eps in (0.05, 0.3, 1.0):
+    radii = (0.05, 0.3, 1.0)
+    attacked = attacked_at_radii(nonlinear, X, radii, torch.Generator().manual_seed(51))
+    for eps, best in zip(radii, attacked):
         bound = sens.second_order_terms(torch.full((2,), eps, dtype=torch.float64))
-        best = sphere_pgd_maximum(nonlinear, X, eps, g)
         assert (best <= bound).all(), (eps, best, bound)
         # the attack found a real nonlinear part; the bound, a sum of products of norms, is
         # 50-250x above it on these random weights (loose, but only ever used at second order)
@@ -942,17 +951,18 @@ def test_remainder_term_bounds_the_softmax_remainder(shared):
     def scores(Z):
         return torch.einsum("bnd,hde,hfe,bmf->bhnm", Z, w.query, w.key, Z) / w.scale
 
-    def remainder(G):
-        change = scores(X + G) - scores(X)
-        weighted = probs * change
-        jacobian = weighted - probs * weighted.sum(dim=-1, keepdim=True)
-        R = attention_probabilities(X + G, w) - probs - jacobian
-        return (R @ x_value_out).flatten(1).norm(dim=1)
+    def remainder(Y, G):  # Y: X stacked once per radius
+        copies = len(Y) // len(X)
+        p, xvo = probs.repeat(copies, 1, 1, 1), x_value_out.repeat(copies, 1, 1, 1)
+        weighted = p * (scores(Y + G) - scores(Y))
+        jacobian = weighted - p * weighted.sum(dim=-1, keepdim=True)
+        R = attention_probabilities(Y + G, w) - p - jacobian
+        return (R @ xvo).flatten(1).norm(dim=1)
 
-    g = torch.Generator().manual_seed(56)
-    for eps in (0.05, 0.2):
+    radii = (0.05, 0.2)
+    attacked = attacked_at_radii(remainder, X, radii, torch.Generator().manual_seed(56))
+    for eps, best in zip(radii, attacked):
         bound = sens.second_order_parts(torch.full((2,), eps, dtype=torch.float64))["remainder"]
-        best = sphere_pgd_maximum(remainder, X, eps, g)
         assert (best <= bound).all(), (eps, best, bound)
         assert (best > 1e-3 * bound).all(), (eps, best, bound)
 
