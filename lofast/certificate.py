@@ -11,7 +11,7 @@ import hashlib
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -144,24 +144,44 @@ class VerifiedNorms:
 
 # The stage specs of the last models certified in this process, with the weights-only
 # quantities they cache (verified norms, deflations: seconds of float64 factorisations per
-# model), keyed by a digest of the model's config, float64 weights and device. A second
-# Certifier of the same weights (repeated ``lofast.certify`` calls, a notebook) reuses them;
-# any change of a weight gives another digest and a fresh computation.
+# model), keyed by a digest of the specs themselves: every field of every stage (type, float64
+# weights, device, constants). A second Certifier of the same model (repeated
+# ``lofast.certify`` calls, a notebook) reuses them; anything that changes what a stage
+# computes (a weight, a radius set on a module, the device) changes the digest.
 _STRUCTURES: OrderedDict[str, list[StageSpec]] = OrderedDict()
 STRUCTURES_KEPT = 4
 
 
+def structure_digest(structure: list[StageSpec]) -> str:
+    """SHA-256 of every dataclass field of every spec, in order (tensors by dtype, shape,
+    device and bytes; scalars and strings by repr). Cached properties are not fields. The
+    certifier takes activations from its own copy of the model and only bounds from the specs,
+    so equal digests mean equal bounds."""
+    digest = hashlib.sha256()
+    for spec in structure:
+        digest.update(type(spec).__name__.encode())
+        for field in fields(spec):
+            value = getattr(spec, field.name)
+            if isinstance(value, Tensor):
+                digest.update(f"{field.name} {value.dtype} {tuple(value.shape)} "
+                              f"{value.device}".encode())
+                digest.update(value.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+                              .numpy().tobytes())
+            elif value is None or isinstance(value, (bool, int, float, str)):
+                digest.update(f"{field.name} {value!r}".encode())
+            else:  # a container's repr could elide tensor entries: keep the digest exact
+                raise TypeError(f"{type(spec).__name__}.{field.name}: cannot digest "
+                                f"{type(value).__name__}")
+    return digest.hexdigest()
+
+
 def shared_structure(model: LipschitzViT) -> list[StageSpec]:
     """``model.structure()`` of a float64 model in eval mode whose weights stay fixed, shared
-    with earlier certifiers of identical weights in this process."""
-    digest = hashlib.sha256(repr(model.config).encode())
-    for name, tensor in model.state_dict().items():
-        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)} {tensor.device}".encode())
-        digest.update(tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
-                      .numpy().tobytes())
-    key = digest.hexdigest()
+    with earlier certifiers of identical specs in this process."""
+    structure = model.structure()
+    key = structure_digest(structure)
     if key not in _STRUCTURES:
-        _STRUCTURES[key] = model.structure()
+        _STRUCTURES[key] = structure
         while len(_STRUCTURES) > STRUCTURES_KEPT:
             _STRUCTURES.popitem(last=False)
     _STRUCTURES.move_to_end(key)

@@ -122,8 +122,11 @@ def test_valid_but_untrained_config_is_certified_soundly(case, saved, trained, t
 
 def test_lie_planted_past_validation_is_still_caught(trained):
     """Even a model built around the config check (a negative projection radius set on the
-    module) is refused by the certifier, which checks the constants it uses itself."""
+    module) is refused by the certifier, which checks the constants it uses itself, also right
+    after certifying the honest model of the same config and weights (whose stage specs the
+    certifier keeps for reuse)."""
     model, x, y = trained
+    Certifier(model, CertifySettings()).certify(x[:2], y[:2])
     lying = LipschitzViT(dataclasses.replace(model.config))
     lying.load_state_dict(model.state_dict())
     projection = [s for s in lying.stages if type(s).__name__ == "LayerProject"][-1]

@@ -204,11 +204,16 @@ def test_certifier_computes_the_capped_weights_once(trained, certificate, monkey
 
 def test_certifiers_of_identical_weights_share_the_per_model_quantities(trained, certificate):
     """A second Certifier of the same weights reuses the stage specs (and the verified norms
-    they cache); a model differing in one weight gets its own, with its own certificate."""
+    they cache); a model differing in one weight, or in a constant that is no weight (a
+    projection radius set on the module), gets its own, with its own certificate."""
     model, x, y = trained
     first, second = Certifier(model), Certifier(copy.deepcopy(model))
     assert second.structure is first.structure
     assert torch.equal(second.certify(x, y).radius(), certificate.radius())
+    smaller = copy.deepcopy(model)
+    projection = [s for s in smaller.stages if type(s).__name__ == "LayerProject"][-1]
+    projection.radius = projection.radius / 2
+    assert Certifier(smaller).structure is not first.structure
     changed = copy.deepcopy(model)
     with torch.no_grad():
         weight = changed.stages[0].weight
