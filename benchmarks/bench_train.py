@@ -2,13 +2,14 @@
 
     python benchmarks/bench_train.py [--preset paper-d3 | --checkpoint PATH] [--batch-size 256]
         [--steps 20] [--power-iterations 2] [--device auto] [--out bench_train.json]
-        [--profile profile.txt] [--compile default|reduce-overhead]
+        [--profile profile.txt] [--compile default|reduce-overhead|max-autotune|cudagraphs]
 
 Times full optimisation steps (forward, loss, backward, AdamW) on random CIFAR-sized images, after
 warm-up steps, and extrapolates to one epoch of 50,000 images. Prints a table and writes JSON;
 --profile also runs five certified steps under torch.profiler and writes the operators that
 took the most time (device time on a GPU) to the named file; --compile adds a row for the
-certified step under torch.compile in that mode (compilation in the warm-up steps, untimed).
+certified step under torch.compile in that mode (compilation in the warm-up steps, untimed;
+cudagraphs: CUDA graphs of the captured step without Inductor's generated kernels).
 Each eager row also counts the operators that launch work in one forward and backward pass
 (views and other metadata-only operators left out; the optimizer's few fused kernels too): on
 a GPU a step of these small tensors waits for the host to launch them, so the count predicts
@@ -66,7 +67,9 @@ def seconds_per_step(config: TrainConfig, initial: LipschitzViT, device: torch.d
     bound = (TrainingBound(config.power_iterations, softmax_jacobian=config.softmax_jacobian)
              if config.loss == "certified" else None)
     objective = TrainingObjective(model, config, bound)
-    if compile_mode is not None:
+    if compile_mode == "cudagraphs":
+        objective = torch.compile(objective, backend="cudagraphs")
+    elif compile_mode is not None:
         objective = torch.compile(objective, mode=compile_mode)
     use_amp = config.amp and device.type == "cuda"
     started = 0.0
@@ -75,7 +78,13 @@ def seconds_per_step(config: TrainConfig, initial: LipschitzViT, device: torch.d
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             started = time.perf_counter()
+        if compile_mode is not None:
+            # CUDA graphs reuse their output memory at the next replay: a new step begins, and
+            # the warm-start vectors a step hands to the next are copied out of that memory
+            torch.compiler.cudagraph_mark_step_begin()
         training_step(objective, optimizer, x, y, config.train_eps, use_amp)
+        if compile_mode is not None and bound is not None:
+            bound.vectors = {k: v.clone() for k, v in bound.vectors.items()}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = (time.perf_counter() - started) / steps
@@ -120,7 +129,8 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default="bench_train.json")
     parser.add_argument("--profile", help="write a torch.profiler table of certified steps here")
-    parser.add_argument("--compile", choices=["default", "reduce-overhead", "max-autotune"],
+    parser.add_argument("--compile", choices=["default", "reduce-overhead", "max-autotune",
+                                              "cudagraphs"],
                         help="also time the certified step under torch.compile in this mode")
     args = parser.parse_args()
 

@@ -14,7 +14,8 @@
 #   2. lofast certify of the shipped default on the whole DATA test split, exact guarantee,
 #      with its end-to-end wall time (OUT/certify_default.json; the time in OUT/log.txt);
 #      2b. the certified step at the first batch size under torch.compile in mode COMPILE
-#      (default reduce-overhead: CUDA graphs, against the launch overhead; COMPILE= skips it;
+#      (default cudagraphs: CUDA graphs against the launch overhead, without Inductor, whose
+#      Triton build of the loss's backward failed on an H200; COMPILE= skips it;
 #      OUT/bench_train_compiled.json);
 #   3. lofast train with TRAIN_ARGS until PASS_SECONDS (default 540) after the start of the
 #      pass, resumed from STATE when given (OUT/train.safetensors, and its .state.pt for the
@@ -81,7 +82,7 @@ timeout 150 python3 -m lofast certify --data "$data" --device "$device" "${limit
     || echo "certify: exit $?"
 python3 -c "print('certify_default seconds', round($(date +%s.%N) - $start, 2))"
 
-compile_mode=${COMPILE-reduce-overhead}  # set but empty: skipped
+compile_mode=${COMPILE-cudagraphs}  # set but empty: skipped
 if [ -n "$compile_mode" ]; then
     echo "== 2b. training throughput under torch.compile ($(elapsed) s)"
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
