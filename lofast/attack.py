@@ -39,40 +39,48 @@ def pgd_attack(model: nn.Module, x: Tensor, y: Tensor, eps: float | Tensor, step
                box: bool = True) -> AttackResult:
     """Maximises the margin loss max_{j != y} z_j - z_y with normalised gradient steps inside
     the l2 ball of radius eps (scalar or (B,)) around each image, from the clean image and from
-    random starts in the ball, keeping the first perturbation that changes the prediction.
-    Deterministic for a given seed."""
+    restarts - 1 random starts in the ball, all restarts side by side in one batch of
+    restarts x B images; keeps, per image, the first perturbation that changes the prediction
+    in the first restart that finds one. Deterministic for a given seed."""
+    if restarts < 1:
+        raise ValueError(f"the attack needs at least one restart, not {restarts}")
     model.eval()
-    eps = torch.as_tensor(eps, dtype=x.dtype, device=x.device).expand(len(x)).clone()
+    batch = len(x)
+    eps = torch.as_tensor(eps, dtype=x.dtype, device=x.device).expand(batch).clone()
     alpha = step_size if step_size is not None else 2.5 / steps
     generator = torch.Generator(device=x.device).manual_seed(seed)
-    found = torch.zeros(len(x), dtype=torch.bool, device=x.device)
-    best = torch.zeros_like(x)
+    # row r * B + b: restart r of image b
+    xs, ys, radii = x.repeat(restarts, 1, 1, 1), y.repeat(restarts), eps.repeat(restarts)
+    found = torch.zeros(len(xs), dtype=torch.bool, device=x.device)
+    best = torch.zeros_like(xs)
 
     def keep(delta: Tensor, logits: Tensor) -> None:
-        new = (logits.argmax(dim=1) != y) & ~found
+        new = (logits.argmax(dim=1) != ys) & ~found
         best[new] = delta.detach()[new]
         found.logical_or_(new)
 
-    for restart in range(restarts):
-        if restart == 0:
-            delta = torch.zeros_like(x)
-        else:
-            delta = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
-            delta = _project(delta, x, eps * torch.rand(len(x), generator=generator,
-                                                        device=x.device, dtype=x.dtype), box)
-        for _ in range(steps):
-            delta.requires_grad_(True)
-            logits = model(x + delta)
-            keep(delta, logits)
-            true = logits.gather(1, y[:, None])[:, 0]
-            other = logits.scatter(1, y[:, None], -torch.inf).max(dim=1).values
-            grad, = torch.autograd.grad((other - true).sum(), delta)
-            with torch.no_grad():
-                norms = torch.linalg.vector_norm(grad.flatten(1), dim=1).clamp_min(1e-12)
-                step = grad / norms[:, None, None, None] * (alpha * eps)[:, None, None, None]
-                delta = _project(delta + step, x, eps, box)
+    delta = torch.randn(xs.shape, generator=generator, device=x.device, dtype=x.dtype)
+    delta = _project(delta, xs, radii * torch.rand(len(xs), generator=generator,
+                                                   device=x.device, dtype=x.dtype), box)
+    delta[:batch] = 0.0  # the first restart starts at the clean image
+    for _ in range(steps):
+        delta.requires_grad_(True)
+        logits = model(xs + delta)
+        keep(delta, logits)
+        true = logits.gather(1, ys[:, None])[:, 0]
+        other = logits.scatter(1, ys[:, None], -torch.inf).max(dim=1).values
+        grad, = torch.autograd.grad((other - true).sum(), delta)
         with torch.no_grad():
-            keep(delta, model(x + delta))
+            norms = torch.linalg.vector_norm(grad.flatten(1), dim=1).clamp_min(1e-12)
+            step = grad / norms[:, None, None, None] * (alpha * radii)[:, None, None, None]
+            delta = _project(delta + step, xs, radii, box)
+    with torch.no_grad():
+        keep(delta, model(xs + delta))
+    # per image, the first restart that found a perturbation (restarts x B -> B)
+    found = found.view(restarts, batch)
+    first = found.int().argmax(dim=0)  # 0 where none found: that row's best is zero
+    best = best.view(restarts, batch, *x.shape[1:])[first, torch.arange(batch, device=x.device)]
+    found = found.any(dim=0)
     with torch.no_grad():  # a counterexample is what the model does at it, checked once more
         predicted = model(x + best).argmax(dim=1)
     found &= predicted != y

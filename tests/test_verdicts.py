@@ -58,6 +58,29 @@ def test_nothing_is_found_where_nothing_exists(trained):
                        torch.full_like(result.adversarial_class[~result.found], -1))
 
 
+def test_restarts_run_side_by_side_and_the_first_to_find_wins(trained):
+    """Restarts are batched, not sequential, yet each image keeps what the first restart that
+    found a perturbation found: where the clean start (restart 0) succeeds, three restarts
+    return exactly its perturbation; more restarts find a superset; every perturbation lies in
+    the ball and the box and changes the prediction."""
+    model, x, y = trained
+    model = copy.deepcopy(model).double()
+    x = x[:32].double()
+    y = model(x).argmax(dim=1)  # the prediction as the label: a budget that half breaks
+    eps = torch.linspace(1.0, 10.0, len(x), dtype=torch.float64)
+    one = pgd_attack(model, x, y, eps, steps=8, restarts=1)
+    three = pgd_attack(model, x, y, eps, steps=8, restarts=3)
+    assert one.found.any() and not one.found.all()
+    assert (three.found >= one.found).all() and (three.found > one.found).any()
+    assert torch.equal(three.perturbation[one.found], one.perturbation[one.found])
+    assert (three.norm <= eps * (1 + 1e-9)).all()
+    adversarial = x + three.perturbation
+    assert adversarial.min() >= 0 and adversarial.max() <= 1
+    assert torch.equal(model(adversarial).argmax(dim=1)[three.found],
+                       three.adversarial_class[three.found])
+    assert (three.adversarial_class[three.found] != y[three.found]).all()
+
+
 def certify(checkpoint, data_dir, out, *extra):
     result = CliRunner().invoke(cli, [
         "certify", "--checkpoint", str(checkpoint), "--data", str(data_dir), "--device", "cpu",
