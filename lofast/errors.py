@@ -19,4 +19,9 @@ class CertificationError(LofastError):
 
 class TimeLimitReached(Exception):
     """Training stopped at its --time-limit with its state saved; --resume continues it. Not a
-    LofastError: nothing is wrong, and the command exits with its own code."""
+    LofastError: nothing is wrong, and the command exits with its own code. ``history``: the
+    statistics of the epochs finished before the stop."""
+
+    def __init__(self, where: str, history: list | None = None) -> None:
+        super().__init__(where)
+        self.history = history or []

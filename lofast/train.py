@@ -317,7 +317,8 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
                 if state_path is not None and rank == 0:
                     save_training_state(state_path, model, optimizer, scheduler, generator,
                                         epoch, config, history, bound, plan, stopped)
-                raise TimeLimitReached(f"epoch {epoch + 1}, step {step + 1}/{steps_per_epoch}")
+                raise TimeLimitReached(f"epoch {epoch + 1}, step {step + 1}/{steps_per_epoch}",
+                                       history)
         seconds = time.perf_counter() - started
         loss_sum, correct, seen = _summed(loss_sum, correct, seen, device)
         test_accuracy = evaluate(model, test_images, test_labels, device) if rank == 0 else 0.0
@@ -333,7 +334,7 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
         if on_epoch is not None:
             on_epoch(stats)
         if _past(deadline) and epoch + 1 < config.epochs:
-            raise TimeLimitReached(f"epoch {epoch + 1} of {config.epochs}")
+            raise TimeLimitReached(f"epoch {epoch + 1} of {config.epochs}", history)
     model.eval()
     return history
 

@@ -433,7 +433,15 @@ def test_time_limit_stops_mid_epoch_and_resume_is_bit_identical(data_dir, tmp_pa
         result = runner.invoke(cli, args + ["--out", str(cut), "--time-limit", "1e-6", *resume])
         calls += 1
         assert calls <= 13, result.output
+        if result.exit_code == 75:  # the weights so far are a checkpoint too, marked as such
+            meta = read_metadata(cut)
+            finished = int(calls >= 6)  # the sixth call ends the first epoch
+            assert meta["stopped"].startswith(f"time limit after epoch {finished + 1}, step ") \
+                or (calls == 6 and meta["stopped"] == "time limit after epoch 1 of 2")
+            assert meta["epochs"] == finished and len(meta["history"]) == finished
+            assert load_checkpoint(cut).config == load_checkpoint(straight).config
     assert result.exit_code == 0, result.output
+    assert "stopped" not in read_metadata(cut)
     assert calls == 12  # one step per call: the state was saved inside the epochs
     a, b = load_file(str(straight)), load_file(str(cut))
     assert all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shlex
@@ -108,8 +109,9 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
 @click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=None,
               metavar="SECONDS",
               help="Stop at the first step after SECONDS (counted from the start), with the "
-                   "state saved mid-epoch, and exit with code 75; --resume continues exactly "
-                   "where it stopped. Leave room for one step and one state write.")
+                   "state saved mid-epoch and the weights so far written to OUT (marked as "
+                   "stopped), and exit with code 75; --resume continues exactly where it "
+                   "stopped. Leave room for one step and two writes.")
 @click.option("--overwrite", is_flag=True,
               help="Replace an existing OUT (without it, train never overwrites a file it did "
                    "not write in this run or the run it resumes).")
@@ -195,6 +197,28 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
         console.print(f"training [bold]{architecture}[/] on {train_set.name} ({len(train_set)} "
                       f"train, {len(test_set)} test images) on {dev}{processes}")
 
+    def write_checkpoint(history, stopped: str | None = None) -> None:
+        """The model as it is now, with its training record; ``stopped``: where a time
+        limit cut the run (the file is then the weights so far, for a look meanwhile)."""
+        final = history[-1] if history else None
+        options = {k: (str(v) if isinstance(v, Path) else v) for k, v in ctx.params.items()}
+        if init_path is not None:
+            options["preset"] = None  # the default preset was not used: init's architecture
+        save_checkpoint(out, copy.deepcopy(model).cpu(), metadata={
+            "dataset": train_set.name,
+            "classes": list(train_set.classes),
+            "train_command": "lofast train " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+            if Path(sys.argv[0]).name == "lofast" else options,
+            "train_options": options,
+            **({} if init_path is None else {"init_checkpoint_sha256": file_digest(init_path)}),
+            "clean_accuracy": None if final is None else final.test_accuracy,
+            "epochs": 0 if final is None else final.epoch,
+            **({} if stopped is None else {"stopped": f"time limit after {stopped}"}),
+            "device": str(dev),
+            "train_seconds": sum(h.seconds for h in history),
+            "history": [h.__dict__ for h in history],
+        })
+
     columns = [TextColumn("epoch {task.fields[epoch]}"), BarColumn(),
                TextColumn("{task.completed}/{task.total}"),
                TextColumn("loss {task.fields[loss]:.3f} acc {task.fields[acc]:.1%} "
@@ -223,26 +247,13 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
                                    on_epoch=on_epoch, deadline=deadline)
         except TimeLimitReached as stop:
             if leader:
+                write_checkpoint(stop.history, str(stop))
                 progress.console.print(f"time limit reached after {stop}: state saved in "
-                                       f"{state_path}; rerun with --resume to continue")
+                                       f"{state_path}, the weights so far in {out}; rerun with "
+                                       "--resume to continue")
             sys.exit(EXIT_TIME_LIMIT)
     if not leader:
         return
+    write_checkpoint(history)
     final = history[-1]
-    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in ctx.params.items()}
-    if init_path is not None:
-        options["preset"] = None  # the default preset was not used: the architecture is init's
-    save_checkpoint(out, model.cpu(), metadata={
-        "dataset": train_set.name,
-        "classes": list(train_set.classes),
-        "train_command": "lofast train " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-        if Path(sys.argv[0]).name == "lofast" else options,
-        "train_options": options,
-        **({} if init_path is None else {"init_checkpoint_sha256": file_digest(init_path)}),
-        "clean_accuracy": final.test_accuracy,
-        "epochs": final.epoch,
-        "device": str(dev),
-        "train_seconds": sum(h.seconds for h in history),
-        "history": [h.__dict__ for h in history],
-    })
     console.print(f"saved [bold]{out}[/]: clean test accuracy {final.test_accuracy:.2%}")
