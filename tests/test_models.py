@@ -366,6 +366,33 @@ def test_training_caps_are_estimated_and_eval_caps_exact():
         assert norm == pytest.approx(embed.cap, rel=rel)
 
 
+def test_held_training_weights_equal_each_stages_own():
+    """In training mode a held model estimates every capped weight of every stage together
+    (one batched call per weight shape): each stage's effective weights are the ones it
+    computes alone, and gradients reach every capped weight through the held ones."""
+    model = create_model(preset("tiny", depth=3), seed=0).double().train()
+    stages = [s for s in model.stages if hasattr(s, "capped_weights")]
+    with torch.no_grad():  # distinct norms (orthogonal initial weights all have norm 1)
+        for k, w in enumerate(w for s in stages for w in s.capped_weights().values()):
+            w.mul_(0.3 + 0.25 * k)
+    alone = [s.effective_weight() if hasattr(s, "effective_weight") else s.effective_weights()
+             for s in stages]
+    with model.reusing_effective_weights():
+        held = [s.held for s in stages]
+        assert all(h is not None for h in held)
+        total = 0.0
+        for mine, theirs in zip(held, alone):
+            pairs = [(mine, theirs)] if torch.is_tensor(mine) else \
+                [(mine[k], theirs[k]) for k in theirs]
+            for a, b in pairs:
+                assert torch.allclose(a, b, rtol=1e-12, atol=0.0)
+                total = total + a.sum()
+        total.backward()
+    capped = [w for s in stages for w in s.capped_weights().values()]
+    assert len(capped) == 1 + 4 * 3 and all(w.grad is not None and w.grad.abs().sum() > 0
+                                            for w in capped)
+
+
 def test_batched_training_caps_match_one_at_a_time():
     """spectral_caps estimates a block's same-shaped weights in one batched call: each result
     is the weight capped with its own cap (a weight without a cap comes back unchanged), as

@@ -44,16 +44,45 @@ def spectral_cap(weight: Tensor, cap: float | None, exact: bool = True) -> Tenso
 
 
 def spectral_caps(weights: Mapping[str, Tensor], caps: Mapping[str, float | None],
-                  exact: bool = True) -> dict[str, Tensor]:
-    """``spectral_cap`` of every weight named in caps. The training estimates (exact=False) of
-    same-shaped weights are taken in one batched call: a training step on a GPU waits for
-    kernel launches, and a block's four weights then cost the launches of one."""
+                  exact: bool = True, sigma: Mapping[str, Tensor] | None = None,
+                  ) -> dict[str, Tensor]:
+    """``spectral_cap`` of every weight named in caps. The training estimates (exact=False) are
+    taken by ``estimated_norms``, or given as sigma (name -> ||W|| estimate)."""
     capped = [name for name, cap in caps.items() if cap is not None]
-    if exact or len({weights[name].shape for name in capped}) != 1:
+    if exact:
         return {name: spectral_cap(weights[name], cap, exact) for name, cap in caps.items()}
-    sigma = dict(zip(capped, spectral_norm(torch.stack([weights[name] for name in capped]))))
+    if sigma is None:
+        sigma = dict(zip(capped, estimated_norms([weights[name] for name in capped])))
     return {name: weights[name] if cap is None else _scaled_to_cap(weights[name], cap, sigma[name])
             for name, cap in caps.items()}
+
+
+def estimated_norms(weights: list[Tensor]) -> list[Tensor]:
+    """The training estimate of ||W|| (``spectral_norm``) of each weight, differentiable, with
+    one batched call per weight shape: a training step on a GPU waits for kernel launches, and
+    many weights then cost the launches of one."""
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, weight in enumerate(weights):
+        by_shape.setdefault(tuple(weight.shape), []).append(i)
+    norms: list[Tensor | None] = [None] * len(weights)
+    for indices in by_shape.values():
+        for i, norm in zip(indices, spectral_norm(torch.stack([weights[i] for i in indices]))):
+            norms[i] = norm
+    return norms
+
+
+def hold_capped_weights(stages: list[HoldsCappedWeights], hold: bool, training: bool) -> None:
+    """``hold_effective_weights`` of each stage; in training mode with the norm estimates of
+    all their capped weights taken together (``estimated_norms``)."""
+    sigmas: list[dict[str, Tensor] | None] = [None] * len(stages)
+    if hold and training:
+        named = [(k, name, weight) for k, stage in enumerate(stages)
+                 for name, weight in stage.capped_weights().items()]
+        sigmas = [{} for _ in stages]
+        for (k, name, _), norm in zip(named, estimated_norms([w for _, _, w in named])):
+            sigmas[k][name] = norm
+    for stage, sigma in zip(stages, sigmas):
+        stage.hold_effective_weights(hold, sigma)
 
 
 def _scaled_to_cap(weight: Tensor, cap: float, sigma: Tensor) -> Tensor:
@@ -78,12 +107,15 @@ def _spec_tensor(t: Tensor, differentiable: bool) -> Tensor:
 
 class HoldsCappedWeights:
     """For stages whose effective weights cost an SVD each (``_capped``): hold them once and
-    reuse them until released. The raw weights must not change or move meanwhile."""
+    reuse them until released. The raw weights must not change or move meanwhile.
+    ``capped_weights``: the raw weights under a cap, by name; ``_capped(sigma)`` may be given
+    their training norm estimates (name -> ||W||), taken with other stages' (training mode)."""
 
     held = None
 
-    def hold_effective_weights(self, hold: bool) -> None:
-        self.held = self._capped() if hold else None
+    def hold_effective_weights(self, hold: bool,
+                               sigma: Mapping[str, Tensor] | None = None) -> None:
+        self.held = self._capped(sigma) if hold else None
 
 
 class PatchEmbed(HoldsCappedWeights, nn.Module):
@@ -104,8 +136,12 @@ class PatchEmbed(HoldsCappedWeights, nn.Module):
         self.position = nn.Parameter(0.02 * torch.randn(num_patches, width))
         self.cls_token = nn.Parameter(torch.zeros(width))
 
-    def _capped(self) -> Tensor:
-        return spectral_cap(self.weight, self.cap, exact=not self.training)
+    def capped_weights(self) -> dict[str, Tensor]:
+        return {} if self.cap is None else {"weight": self.weight}
+
+    def _capped(self, sigma: Mapping[str, Tensor] | None = None) -> Tensor:
+        return spectral_caps({"weight": self.weight}, {"weight": self.cap},
+                             exact=not self.training, sigma=sigma)["weight"]
 
     def effective_weight(self) -> Tensor:
         return self.held if self.held is not None else self._capped()
@@ -188,8 +224,11 @@ class Attention(HoldsCappedWeights, nn.Module):
         # the dtype and device of the fixed identities (a block may have no weight of its own)
         self.register_buffer("like", torch.zeros(()), persistent=False)
 
-    def _capped(self) -> dict[str, Tensor]:
-        capped = spectral_caps(self.weights, self.caps, exact=not self.training)
+    def capped_weights(self) -> dict[str, Tensor]:
+        return {name: self.weights[name] for name, cap in self.caps.items() if cap is not None}
+
+    def _capped(self, sigma: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
+        capped = spectral_caps(self.weights, self.caps, exact=not self.training, sigma=sigma)
         if len(capped) < 4:  # some weights are fixed identities
             eye = torch.eye(self.heads * self.head_dim, dtype=self.like.dtype,
                             device=self.like.device)

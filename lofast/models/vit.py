@@ -20,6 +20,7 @@ from lofast.models.layers import (
     NormalizedHead,
     PatchEmbed,
     Pool,
+    hold_capped_weights,
 )
 
 
@@ -109,9 +110,8 @@ class LipschitzViT(nn.Module):
     def hold_effective_weights(self, hold: bool) -> None:
         """hold=True: from now on the capped stages reuse their current effective weights, for
         a model whose weights stay fixed (the certifier's private copy); False releases them."""
-        for stage in self.stages:
-            if isinstance(stage, HoldsCappedWeights):
-                stage.hold_effective_weights(hold)
+        hold_capped_weights([stage for stage in self.stages
+                             if isinstance(stage, HoldsCappedWeights)], hold, self.training)
 
     def structure(self, differentiable: bool = False) -> list[StageSpec]:
         """The specs of all stages, in forward order: detached float64 copies of the effective
