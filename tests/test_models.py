@@ -373,7 +373,7 @@ def test_held_training_weights_equal_each_stages_own():
     model = create_model(preset("tiny", depth=3), seed=0).double().train()
     stages = [s for s in model.stages if hasattr(s, "capped_weights")]
     with torch.no_grad():  # distinct norms (orthogonal initial weights all have norm 1)
-        for k, w in enumerate(w for s in stages for w in s.capped_weights().values()):
+        for k, (w, _) in enumerate(w for s in stages for w in s.capped_weights().values()):
             w.mul_(0.3 + 0.25 * k)
     alone = [s.effective_weight() if hasattr(s, "effective_weight") else s.effective_weights()
              for s in stages]
@@ -388,7 +388,7 @@ def test_held_training_weights_equal_each_stages_own():
                 assert torch.allclose(a, b, rtol=1e-12, atol=0.0)
                 total = total + a.sum()
         total.backward()
-    capped = [w for s in stages for w in s.capped_weights().values()]
+    capped = [w for s in stages for w, _ in s.capped_weights().values()]
     assert len(capped) == 1 + 4 * 3 and all(w.grad is not None and w.grad.abs().sum() > 0
                                             for w in capped)
 

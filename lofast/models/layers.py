@@ -10,6 +10,7 @@ rescaling, row normalisation), so training, certification and export all see one
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 
@@ -44,45 +45,52 @@ def spectral_cap(weight: Tensor, cap: float | None, exact: bool = True) -> Tenso
 
 
 def spectral_caps(weights: Mapping[str, Tensor], caps: Mapping[str, float | None],
-                  exact: bool = True, sigma: Mapping[str, Tensor] | None = None,
+                  exact: bool = True, capped: Mapping[str, Tensor] | None = None,
                   ) -> dict[str, Tensor]:
-    """``spectral_cap`` of every weight named in caps. The training estimates (exact=False) are
-    taken by ``estimated_norms``, or given as sigma (name -> ||W|| estimate)."""
-    capped = [name for name, cap in caps.items() if cap is not None]
+    """``spectral_cap`` of every weight named in caps. Training estimates (exact=False): by
+    ``estimated_caps``, or given as ``capped`` (name -> the capped weight)."""
     if exact:
         return {name: spectral_cap(weights[name], cap, exact) for name, cap in caps.items()}
-    if sigma is None:
-        sigma = dict(zip(capped, estimated_norms([weights[name] for name in capped])))
-    return {name: weights[name] if cap is None else _scaled_to_cap(weights[name], cap, sigma[name])
-            for name, cap in caps.items()}
+    if capped is None:
+        names = [name for name, cap in caps.items() if cap is not None]
+        capped = dict(zip(names, estimated_caps([(weights[n], caps[n]) for n in names])))
+    return {name: weights[name] if cap is None else capped[name] for name, cap in caps.items()}
 
 
-def estimated_norms(weights: list[Tensor]) -> list[Tensor]:
-    """The training estimate of ||W|| (``spectral_norm``) of each weight, differentiable, with
-    one batched call per weight shape: a training step on a GPU waits for kernel launches, and
-    many weights then cost the launches of one."""
+def estimated_caps(weights: list[tuple[Tensor, float]]) -> list[Tensor]:
+    """``spectral_cap(weight, cap, exact=False)`` of each (weight, cap), differentiable, batched
+    per weight shape (one norm estimate, one rescaling): a training step on a GPU waits for
+    kernel launches, and many weights then cost the launches of one."""
     by_shape: dict[tuple[int, ...], list[int]] = {}
-    for i, weight in enumerate(weights):
+    for i, (weight, _) in enumerate(weights):
         by_shape.setdefault(tuple(weight.shape), []).append(i)
-    norms: list[Tensor | None] = [None] * len(weights)
+    result: list[Tensor | None] = [None] * len(weights)
     for indices in by_shape.values():
-        for i, norm in zip(indices, spectral_norm(torch.stack([weights[i] for i in indices]))):
-            norms[i] = norm
-    return norms
+        indices.sort(key=lambda i: weights[i][1])  # equal caps side by side
+        stacked = torch.stack([weights[i][0] for i in indices])
+        sigma = spectral_norm(stacked)  # (g,)
+        # the caps as a device tensor, one fill per distinct cap (a list copied in would wait
+        # for the device)
+        runs = itertools.groupby(weights[i][1] for i in indices)
+        cap = torch.cat([sigma.new_full((len(list(run)),), value) for value, run in runs])
+        scaled = stacked * (cap / torch.maximum(sigma, cap))[:, None, None]
+        for i, weight in zip(indices, scaled.unbind(0)):
+            result[i] = weight
+    return result
 
 
 def hold_capped_weights(stages: list[HoldsCappedWeights], hold: bool, training: bool) -> None:
-    """``hold_effective_weights`` of each stage; in training mode with the norm estimates of
-    all their capped weights taken together (``estimated_norms``)."""
-    sigmas: list[dict[str, Tensor] | None] = [None] * len(stages)
+    """``hold_effective_weights`` of each stage; in training mode with the capped weights of
+    all stages estimated together (``estimated_caps``)."""
+    given: list[dict[str, Tensor] | None] = [None] * len(stages)
     if hold and training:
-        named = [(k, name, weight) for k, stage in enumerate(stages)
-                 for name, weight in stage.capped_weights().items()]
-        sigmas = [{} for _ in stages]
-        for (k, name, _), norm in zip(named, estimated_norms([w for _, _, w in named])):
-            sigmas[k][name] = norm
-    for stage, sigma in zip(stages, sigmas):
-        stage.hold_effective_weights(hold, sigma)
+        named = [(k, name, weight, cap) for k, stage in enumerate(stages)
+                 for name, (weight, cap) in stage.capped_weights().items()]
+        given = [{} for _ in stages]
+        for (k, name, _, _), weight in zip(named, estimated_caps([(w, c) for _, _, w, c in named])):
+            given[k][name] = weight
+    for stage, capped in zip(stages, given):
+        stage.hold_effective_weights(hold, capped)
 
 
 def _scaled_to_cap(weight: Tensor, cap: float, sigma: Tensor) -> Tensor:
@@ -108,14 +116,14 @@ def _spec_tensor(t: Tensor, differentiable: bool) -> Tensor:
 class HoldsCappedWeights:
     """For stages whose effective weights cost an SVD each (``_capped``): hold them once and
     reuse them until released. The raw weights must not change or move meanwhile.
-    ``capped_weights``: the raw weights under a cap, by name; ``_capped(sigma)`` may be given
-    their training norm estimates (name -> ||W||), taken with other stages' (training mode)."""
+    ``capped_weights``: the raw weights under a cap and their caps, by name; ``_capped`` may
+    be given their training estimates capped (name -> weight), taken with other stages'."""
 
     held = None
 
     def hold_effective_weights(self, hold: bool,
-                               sigma: Mapping[str, Tensor] | None = None) -> None:
-        self.held = self._capped(sigma) if hold else None
+                               capped: Mapping[str, Tensor] | None = None) -> None:
+        self.held = self._capped(capped) if hold else None
 
 
 class PatchEmbed(HoldsCappedWeights, nn.Module):
@@ -136,12 +144,12 @@ class PatchEmbed(HoldsCappedWeights, nn.Module):
         self.position = nn.Parameter(0.02 * torch.randn(num_patches, width))
         self.cls_token = nn.Parameter(torch.zeros(width))
 
-    def capped_weights(self) -> dict[str, Tensor]:
-        return {} if self.cap is None else {"weight": self.weight}
+    def capped_weights(self) -> dict[str, tuple[Tensor, float]]:
+        return {} if self.cap is None else {"weight": (self.weight, self.cap)}
 
-    def _capped(self, sigma: Mapping[str, Tensor] | None = None) -> Tensor:
+    def _capped(self, capped: Mapping[str, Tensor] | None = None) -> Tensor:
         return spectral_caps({"weight": self.weight}, {"weight": self.cap},
-                             exact=not self.training, sigma=sigma)["weight"]
+                             exact=not self.training, capped=capped)["weight"]
 
     def effective_weight(self) -> Tensor:
         return self.held if self.held is not None else self._capped()
@@ -224,11 +232,12 @@ class Attention(HoldsCappedWeights, nn.Module):
         # the dtype and device of the fixed identities (a block may have no weight of its own)
         self.register_buffer("like", torch.zeros(()), persistent=False)
 
-    def capped_weights(self) -> dict[str, Tensor]:
-        return {name: self.weights[name] for name, cap in self.caps.items() if cap is not None}
+    def capped_weights(self) -> dict[str, tuple[Tensor, float]]:
+        return {name: (self.weights[name], cap) for name, cap in self.caps.items()
+                if cap is not None}
 
-    def _capped(self, sigma: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
-        capped = spectral_caps(self.weights, self.caps, exact=not self.training, sigma=sigma)
+    def _capped(self, given: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
+        capped = spectral_caps(self.weights, self.caps, exact=not self.training, capped=given)
         if len(capped) < 4:  # some weights are fixed identities
             eye = torch.eye(self.heads * self.head_dim, dtype=self.like.dtype,
                             device=self.like.device)
