@@ -122,8 +122,8 @@ class HoldsCappedWeights:
     held = None
 
     def hold_effective_weights(self, hold: bool,
-                               capped: Mapping[str, Tensor] | None = None) -> None:
-        self.held = self._capped(capped) if hold else None
+                               given: Mapping[str, Tensor] | None = None) -> None:
+        self.held = self._capped(given) if hold else None
 
 
 class PatchEmbed(HoldsCappedWeights, nn.Module):
@@ -147,9 +147,9 @@ class PatchEmbed(HoldsCappedWeights, nn.Module):
     def capped_weights(self) -> dict[str, tuple[Tensor, float]]:
         return {} if self.cap is None else {"weight": (self.weight, self.cap)}
 
-    def _capped(self, capped: Mapping[str, Tensor] | None = None) -> Tensor:
+    def _capped(self, given: Mapping[str, Tensor] | None = None) -> Tensor:
         return spectral_caps({"weight": self.weight}, {"weight": self.cap},
-                             exact=not self.training, capped=capped)["weight"]
+                             exact=not self.training, capped=given)["weight"]
 
     def effective_weight(self) -> Tensor:
         return self.held if self.held is not None else self._capped()
