@@ -8,6 +8,10 @@
 # pass's OUT (its train.safetensors.state.pt), to resume that training where it stopped (bit for
 # bit: `lofast train --resume`).
 #
+# A slot of 15 minutes takes two calls: the training, `BENCH_BATCHES= COMPILE= bash ... DATA OUT`
+# (9 minutes), then the figures, `PASS_SECONDS=0 BENCH_BATCHES=1024 bash ... DATA OUT2` (about
+# 4, most of it compiling). The next slot resumes the training with OUT as STATE.
+#
 #   1. benchmarks/bench_train.py on lofast-s: images/s of plain and certified steps at each
 #      batch size of BENCH_BATCHES (default "1024 4096"; OUT/bench_train_bB.json), and a
 #      torch.profiler table of certified steps at the first (OUT/profile.txt);
@@ -18,7 +22,8 @@
 #      Triton build of the loss's backward failed on an H200; COMPILE= skips it;
 #      OUT/bench_train_compiled.json);
 #   3. lofast train with TRAIN_ARGS until PASS_SECONDS (default 540) after the start of the
-#      pass, resumed from STATE when given (OUT/train.safetensors, and its .state.pt for the
+#      pass (none when less than a minute of it is left: PASS_SECONDS=0 gives the figures
+#      only), resumed from STATE when given (OUT/train.safetensors, and its .state.pt for the
 #      next pass). The default TRAIN_ARGS: the shipped default's recipe (certified loss at eps
 #      0.15, float32 as on a CPU, no augmentation) at width 256, for as many epochs as the GPU
 #      gives (46.0 % test accuracy after 32 epochs, still rising, in the first such run;
@@ -92,6 +97,10 @@ if [ -n "$compile_mode" ]; then
         --out "$out/bench_train_compiled.json" || echo "bench_train --compile: exit $?"
 fi
 
+if [ "$pass_seconds" -le $(($(elapsed) + 60)) ]; then  # PASS_SECONDS=0: the figures only
+    echo "== no training: the pass ends at ${pass_seconds} s ($(elapsed) s)"
+    exit 0
+fi
 resume=()
 if [ -n "$state" ]; then
     cp "$state"/train.safetensors "$out/" 2>/dev/null  # the checkpoint once written
