@@ -146,9 +146,11 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
     if softmax_jacobian:
         # as in the certifier: the cheap bound sum_l ||J_l|| m_l ||X B_l|| / s on ||D_X||, and
         # on the CPU the power steps only where it is not negligible next to zeta (in some
-        # sample); an accelerator always takes them, since asking would stall it
+        # sample); an accelerator always takes them, since asking would stall it, and so does
+        # a compiled step (asking would break its graph)
         softmax = (score * value_norm).sum(dim=1) / (2.0 * w.scale)
-        if X.device.type != "cpu" or bool((softmax > SOFTMAX_NEGLIGIBLE * zeta).any()):
+        if (X.device.type != "cpu" or torch.compiler.is_compiling()
+                or bool((softmax > SOFTMAX_NEGLIGIBLE * zeta).any())):
             x_value_out = torch.einsum("bhne,hef->bhnf", x_value, output)  # (B, h, n, d) X B_l
             norm, softmax_vector = estimated_norm(start[:, 1], *softmax_first_order_maps(
                 probs, *score_factors(x_query, x_key, query, key), x_value_out, w.scale))
