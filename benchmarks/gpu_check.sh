@@ -17,9 +17,10 @@
 #      torch.profiler table of certified steps at the first (OUT/profile.txt);
 #   2. lofast certify of the shipped default on the whole DATA test split, exact guarantee,
 #      with its end-to-end wall time (OUT/certify_default.json; the time in OUT/log.txt);
-#      2b. the certified step at the first batch size under torch.compile in mode COMPILE
-#      (default cudagraphs: CUDA graphs against the launch overhead, without Inductor, whose
-#      Triton build of the loss's backward failed on an H200; COMPILE= skips it;
+#      2b. the certified step at the first batch size under torch.compile in each mode of
+#      COMPILE (default "cudagraphs default": CUDA graphs against the launch overhead without
+#      Inductor, whose Triton build of the loss's backward failed on an H200 in mode
+#      reduce-overhead, and Inductor's default mode; COMPILE= skips it;
 #      OUT/bench_train_compiled.json);
 #   3. lofast train with TRAIN_ARGS until PASS_SECONDS (default 540) after the start of the
 #      pass (none when less than a minute of it is left: PASS_SECONDS=0 gives the figures
@@ -87,13 +88,15 @@ timeout 150 python3 -m lofast certify --data "$data" --device "$device" "${limit
     || echo "certify: exit $?"
 python3 -c "print('certify_default seconds', round($(date +%s.%N) - $start, 2))"
 
-compile_mode=${COMPILE-cudagraphs}  # set but empty: skipped
-if [ -n "$compile_mode" ]; then
+read -r -a compile_modes <<< "${COMPILE-cudagraphs default}"  # set but empty: skipped
+if [ ${#compile_modes[@]} -gt 0 ]; then
     echo "== 2b. training throughput under torch.compile ($(elapsed) s)"
+    compile_options=()
+    for mode in "${compile_modes[@]}"; do compile_options+=(--compile "$mode"); done
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
     timeout 240 python3 benchmarks/bench_train.py --preset lofast-s --device "$device" \
         --power-iterations 1 --batch-size "${batches[0]:-1024}" ${BENCH_ARGS:-} \
-        --compile "$compile_mode" \
+        "${compile_options[@]}" \
         --out "$out/bench_train_compiled.json" || echo "bench_train --compile: exit $?"
 fi
 
