@@ -106,14 +106,16 @@ def to_float(images: np.ndarray | Tensor, device: torch.device) -> Tensor:
 @torch.no_grad()
 def evaluate(model: LipschitzViT, images: np.ndarray, labels: np.ndarray,
              device: torch.device, batch_size: int = 500) -> float:
-    """Clean accuracy in [0, 1]."""
+    """Clean accuracy in [0, 1]. The exact caps (an SVD per capped weight) are computed once,
+    not once per batch, and the correct predictions summed on the device."""
     model.eval()
-    correct = 0
-    for start in range(0, len(labels), batch_size):
-        x = to_float(images[start:start + batch_size], device)
-        y = torch.as_tensor(labels[start:start + batch_size], device=device)
-        correct += (model(x).argmax(dim=1) == y).sum().item()
-    return correct / max(len(labels), 1)
+    correct = torch.zeros((), dtype=torch.long, device=device)
+    with model.reusing_effective_weights():
+        for start in range(0, len(labels), batch_size):
+            x = to_float(images[start:start + batch_size], device)
+            y = torch.as_tensor(labels[start:start + batch_size], device=device)
+            correct += (model(x).argmax(dim=1) == y).sum()
+    return int(correct) / max(len(labels), 1)
 
 
 @dataclass
