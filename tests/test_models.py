@@ -366,6 +366,26 @@ def test_training_caps_are_estimated_and_eval_caps_exact():
         assert norm == pytest.approx(embed.cap, rel=rel)
 
 
+def test_evaluate_is_the_accuracy_of_the_exactly_capped_model():
+    """``train.evaluate`` (exact caps held once, batches of 500) gives the accuracy of the
+    model's own eval-mode forward pass, here on 1,100 images (three batches, the last short);
+    the model is left in eval mode with nothing held."""
+    import numpy as np
+
+    from lofast.train import evaluate
+
+    model = create_model(preset("tiny", num_classes=4), seed=0).train()
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (1100, 32, 32, 3), dtype=np.uint8)
+    labels = rng.integers(0, 4, 1100)
+    accuracy = evaluate(model, images, labels, torch.device("cpu"))
+    assert not model.training and all(getattr(s, "held", None) is None for s in model.stages)
+    x = torch.as_tensor(images).permute(0, 3, 1, 2).float() / 255
+    with torch.no_grad():
+        expected = (model(x).argmax(dim=1).numpy() == labels).mean()
+    assert accuracy == pytest.approx(expected, abs=1e-12) and 0 < accuracy < 1
+
+
 def test_held_training_weights_equal_each_stages_own():
     """In training mode a held model estimates every capped weight of every stage together
     (one batched call per weight shape): each stage's effective weights are the ones it
