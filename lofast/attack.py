@@ -4,6 +4,7 @@ sample may be broken)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,16 @@ def pgd_attack(model: nn.Module, x: Tensor, y: Tensor, eps: float | Tensor, step
     if restarts < 1:
         raise ValueError(f"the attack needs at least one restart, not {restarts}")
     model.eval()
+    # a LipschitzViT computes its exact caps (an SVD per capped weight) once for the attack,
+    # not in every one of its forward passes
+    holding = getattr(model, "reusing_effective_weights", contextlib.nullcontext)
+    with holding():
+        return _pgd(model, x, y, eps, steps, restarts, step_size, seed, box)
+
+
+def _pgd(model: nn.Module, x: Tensor, y: Tensor, eps: float | Tensor, steps: int, restarts: int,
+         step_size: float | None, seed: int, box: bool) -> AttackResult:
+    """``pgd_attack``'s search, with the model ready."""
     batch = len(x)
     eps = torch.as_tensor(eps, dtype=x.dtype, device=x.device).expand(batch).clone()
     alpha = step_size if step_size is not None else 2.5 / steps

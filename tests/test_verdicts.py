@@ -81,6 +81,23 @@ def test_restarts_run_side_by_side_and_the_first_to_find_wins(trained):
     assert (three.adversarial_class[three.found] != y[three.found]).all()
 
 
+def test_attack_takes_the_exact_caps_once(trained, monkeypatch):
+    """A ViT under attack computes its exact caps (an SVD each) once for the whole attack, not
+    in each of its forward passes, and nothing stays held afterwards."""
+    import lofast.models.layers as layers
+
+    model, x, y = trained
+    model = copy.deepcopy(model).double()
+    capped = sum(len(s.capped_weights()) for s in model.stages if hasattr(s, "capped_weights"))
+    exact_norms = []
+    original = layers.spectral_norm
+    monkeypatch.setattr(layers, "spectral_norm", lambda w, exact=False: (
+        exact_norms.append(exact), original(w, exact))[1])
+    pgd_attack(model, x[:4].double(), y[:4], 0.5, steps=6, restarts=2)
+    assert exact_norms.count(True) == capped > 0
+    assert all(getattr(s, "held", None) is None for s in model.stages)
+
+
 def certify(checkpoint, data_dir, out, *extra):
     result = CliRunner().invoke(cli, [
         "certify", "--checkpoint", str(checkpoint), "--data", str(data_dir), "--device", "cpu",
