@@ -73,7 +73,7 @@ def estimated_caps(weights: list[tuple[Tensor, float]]) -> list[Tensor]:
         # for the device)
         runs = itertools.groupby(weights[i][1] for i in indices)
         cap = torch.cat([sigma.new_full((len(list(run)),), value) for value, run in runs])
-        scaled = stacked * (cap / torch.maximum(sigma, cap))[:, None, None]
+        scaled = _scaled_to_cap(stacked, cap[:, None, None], sigma[:, None, None])
         for i, weight in zip(indices, scaled.unbind(0)):
             result[i] = weight
     return result
@@ -93,8 +93,9 @@ def hold_capped_weights(stages: list[HoldsCappedWeights], hold: bool, training: 
         stage.hold_effective_weights(hold, capped)
 
 
-def _scaled_to_cap(weight: Tensor, cap: float, sigma: Tensor) -> Tensor:
-    """weight * min(1, cap / sigma) for sigma = ||weight|| (or its estimate)."""
+def _scaled_to_cap(weight: Tensor, cap: float | Tensor, sigma: Tensor) -> Tensor:
+    """weight * min(1, cap / sigma) for sigma = ||weight|| (or its estimate); cap and sigma
+    may be tensors broadcast against weight (a stack of weights)."""
     return weight * (cap / torch.clamp(sigma, min=cap))
 
 
