@@ -11,6 +11,7 @@ from lofast.bounds.compose import ProjectionStep
 from lofast.bounds.estimate import (
     attention_sensitivity_estimate,
     column_space_factors,
+    top_singular_value,
     top_singular_value_estimate,
 )
 from lofast.bounds.spectral import SpectralMethod
@@ -222,6 +223,29 @@ def test_per_sample_norm_estimate_is_close_from_below(rows, cols):
     separated = singular[:, 1] < 0.9 * singular[:, 0]
     assert separated.sum() > 32
     assert torch.allclose(grad[separated], dense_grad[separated], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_weight_norm_of_nearly_equal_top_singular_values(dtype):
+    """The weights' norms (no solver): the dense norm and its gradient where the top two
+    singular values differ by a relative 1e-3 (capped, orthogonally initialised weights)."""
+    g = torch.Generator().manual_seed(3)
+    left = torch.linalg.qr(torch.randn(6, 48, 32, generator=g, dtype=torch.float64)).Q
+    right = torch.linalg.qr(torch.randn(6, 32, 32, generator=g, dtype=torch.float64)).Q
+    singular = torch.linspace(1.0, 0.5, 32, dtype=torch.float64).repeat(6, 1)
+    singular[:, 1] = 1.0 - 1e-3
+    dense_input = (left * singular[:, None, :]) @ right.mT
+    M = dense_input.to(dtype).requires_grad_()
+    norm = top_singular_value(M)
+    dense_M = M.detach().to(torch.float64).requires_grad_()
+    dense = torch.linalg.matrix_norm(dense_M, ord=2)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-12
+    assert torch.allclose(norm.double(), dense, rtol=tolerance)
+    (grad,) = torch.autograd.grad(norm.sum(), M)
+    (dense_grad,) = torch.autograd.grad(dense.sum(), dense_M)
+    assert torch.allclose(grad.double(), dense_grad, atol=1e-3 if dtype == torch.float32 else 1e-8)
+    # the same with the wide matrices
+    assert torch.allclose(top_singular_value(M.mT).double(), dense, rtol=tolerance)
 
 
 def test_per_sample_norm_estimate_of_degenerate_matrices():

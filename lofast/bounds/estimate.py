@@ -8,13 +8,13 @@ never certificates (the certificate is always recomputed by ``lofast certify``).
 is taken through the final vectors held fixed, d||T v|| = u^T dT v with u = T v / ||T v||, which
 is the exact gradient of the top singular value once v has converged.
 
-The explicit norms of weights are the square root of the top eigenvalue of the smaller Gram
-matrix, whose gradient V diag(g) V^T needs no eigenvalue gaps (unlike the full SVD's): capped,
-orthogonally initialised weights can have nearly equal top singular values, where repeated
-squaring (below) converges too slowly for an exact gradient. The per-sample explicit norms,
-thousands of tiny matrices per batch, are ||M v|| for an estimate v of that top eigenvector
-found by repeated squaring, 2.5x cheaper than a batched eigendecomposition (which took a quarter
-of a certified step); the gradient, again through v held fixed, is exact once v has converged.
+The explicit norms, of weights and per sample, are ||M v|| for an estimate v of the top
+eigenvector of the smaller Gram matrix, found by repeated squaring of it: no solver, so no wait
+for the device and nothing a CUDA graph cannot hold, and 2.5x cheaper than a batched
+eigendecomposition for the thousands of tiny per-sample matrices of a batch (which took a
+quarter of a certified step). The gradient, through v held fixed, is exact once v has
+converged; the few weight matrices get 2^16 power steps, for the nearly equal top singular
+values of capped, orthogonally initialised weights.
 """
 
 from __future__ import annotations
@@ -39,31 +39,38 @@ from lofast.bounds.spectral import Guarantee
 SQUARED_NORM_FLOOR = 1e-12
 
 
-def top_singular_value(M: Tensor) -> Tensor:
-    """||M|| for matrices (..., m, k) in M's dtype, differentiable. Returns (...)."""
-    gram = M @ M.mT if M.shape[-2] <= M.shape[-1] else M.mT @ M
-    top = torch.linalg.eigvalsh(gram)[..., -1]
-    return top.clamp_min(SQUARED_NORM_FLOOR).sqrt()
+# Squarings of the Gram matrix for the norms of weights (a few per block, so cost nothing):
+# 2^16 power steps resolve top singular values equal to a relative 1e-4 (closer ones make
+# the gradient a matter of choice), so the gradient is that of the exact norm.
+WEIGHT_GRAM_SQUARINGS = 16
 
-
-# Squarings of the Gram matrix in top_singular_value_estimate: 2^10 = 1024 power steps, on
-# Gram matrices of at most n x n. 2^6 kept the default checkpoint's per-sample attention norms
+# Squarings of the Gram matrix for the per-sample norms: 2^10 = 1024 power steps, on Gram
+# matrices of at most n x n. 2^6 kept the default checkpoint's per-sample attention norms
 # within 0.8 % of the exact ones (250 bundled images), but the centred value norms (closer top
 # singular values) need more for their gradient to match finite differences.
 GRAM_SQUARINGS = 10
 
 
-def top_singular_value_estimate(M: Tensor) -> Tensor:
+def top_singular_value(M: Tensor) -> Tensor:
+    """||M|| for a few weight matrices (..., m, k) in M's dtype, differentiable. Returns (...).
+
+    ``top_singular_value_estimate`` with 2^16 power steps instead of an eigendecomposition:
+    a solver call waits for the device (PyTorch documents ``eigvalsh`` as synchronising) and
+    cannot be captured in a CUDA graph (cuSOLVER's Jacobi solver fails inside one)."""
+    return top_singular_value_estimate(M, WEIGHT_GRAM_SQUARINGS)
+
+
+def top_singular_value_estimate(M: Tensor, squarings: int = GRAM_SQUARINGS) -> Tensor:
     """An estimate of ||M|| from below for many small matrices (..., m, k), in M's dtype,
     differentiable. Returns (...).
 
-    G^(2^s), for the smaller Gram matrix G and s = GRAM_SQUARINGS, is nearly rank one, and its
+    G^(2^s), for the smaller Gram matrix G and s = ``squarings``, is nearly rank one, and its
     column with the largest diagonal entry, normalised, is close to G's top eigenvector: call it
     v. ||M|| is taken as ||M v|| (||v^T M|| for wide M), which is never above it."""
     wide = M.shape[-2] < M.shape[-1]
     with torch.no_grad():
         gram = M @ M.mT if wide else M.mT @ M
-        for step in range(GRAM_SQUARINGS):
+        for step in range(squarings):
             if step % 2 == 0:
                 # divided by its trace every second squaring: the top eigenvalue of an r x r
                 # Gram matrix then stays in [r^-4, 1], far inside float32's range (and bf16's)
