@@ -165,6 +165,39 @@ class TrainingObjective(nn.Module):
         return loss, logits
 
 
+class CompiledObjective(nn.Module):
+    """A ``TrainingObjective`` under torch.compile, called once per training step. ``mode``:
+    "cudagraphs" (the step's kernels captured in CUDA graphs and replayed, without code
+    generation: a certified step on a GPU otherwise waits for thousands of kernel launches) or
+    one of Inductor's modes ("default", "reduce-overhead", "max-autotune"). On a CPU the
+    cudagraphs backend runs the traced graph without capturing it.
+
+    The step's radius goes in as a tensor on the device (a float would be a constant of the graph,
+    compiled anew at every step of the radius ramp), and the warm-start vectors that the bound
+    hands to the next step are copied out of the graph's memory, which its next replay
+    overwrites (as it does the loss and logits returned: read them before the next step)."""
+
+    def __init__(self, objective: TrainingObjective, mode: str) -> None:
+        super().__init__()
+        self.bound = objective.bound
+        self.compiled = (torch.compile(objective, backend="cudagraphs") if mode == "cudagraphs"
+                         else torch.compile(objective, mode=mode))
+        self.eager = [objective]  # in a list: not a second registration of its parameters
+
+    def forward(self, x: Tensor, y: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        if self.bound is not None and not self.bound.vectors:
+            # the first step of a fresh run, eager: its power iterations start from random
+            # vectors of the run's generator, which a graph cannot draw from
+            return self.eager[0](x, y, eps)
+        torch.compiler.cudagraph_mark_step_begin()
+        # filled on the device: a host tensor copied in would wait for the queued work
+        eps_on_device = torch.full((1,), eps, dtype=torch.float64, device=x.device)
+        loss, logits = self.compiled(x, y, eps_on_device)
+        if self.bound is not None:
+            self.bound.vectors = {k: v.clone() for k, v in self.bound.vectors.items()}
+        return loss, logits
+
+
 # Steps between host synchronisations of the training loop (loss, accuracy, divergence, the
 # progress shown); also at the first and last step of an epoch.
 SYNC_STEPS = 10
@@ -201,7 +234,7 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
           device: torch.device, state_path: Path | None = None, resume: bool = False,
           plan: dict | None = None, on_step: Callable[[StepStats], None] | None = None,
           on_epoch: Callable[[EpochStats], None] | None = None,
-          deadline: float | None = None) -> list[EpochStats]:
+          deadline: float | None = None, compile_mode: str | None = None) -> list[EpochStats]:
     """Train in place; after every epoch the full state is written atomically to state_path.
 
     With a deadline (a time.monotonic() value), training stops at the first step boundary
@@ -213,6 +246,9 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
     where an uninterrupted one would. `plan` (JSON values) names what else the run depends on
     (model config, data digest...): it is saved with the state, and a resume with another plan
     or other settings is refused.
+
+    compile_mode: train with the step compiled (``CompiledObjective``), in one process only.
+    The function is the same, so a run may resume compiled or not.
     """
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
@@ -264,6 +300,11 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
         # averages the gradients of the processes' parts of every batch; starts from rank 0's
         # weights (equal anyway: all processes load the same initial model or state)
         objective = nn.parallel.DistributedDataParallel(objective)
+    if compile_mode is not None:
+        if world > 1:
+            raise LofastError("a compiled training step runs in one process; drop --compile "
+                              "under torchrun")
+        objective = CompiledObjective(objective, compile_mode)
     use_amp = config.amp and device.type == "cuda"
     # the whole uint8 training set lives on the device; batches are gathered there
     images_all = torch.as_tensor(train_images).to(device)
@@ -281,11 +322,14 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
         # SYNC_STEPS steps: a host synchronisation per step would stall a GPU
         sums = torch.tensor([loss_sum, correct], dtype=torch.float64, device=device)
         started = time.perf_counter() - before
+        # on the device once per epoch: a batch's indices copied in from the host would wait
+        # for the work queued on the device, at every step
+        order_on_device = order.to(device)
         for step in range(first_step, steps_per_epoch):
             # one global batch per step whatever the number of processes; each takes every
             # world-th sample of it (so a resume may change the number of processes)
-            index = order[step * config.batch_size:(step + 1) * config.batch_size][rank::world]
-            index = index.to(device)
+            index = order_on_device[step * config.batch_size:
+                                    (step + 1) * config.batch_size][rank::world]
             x = images_all[index].permute(0, 3, 1, 2).float().div_(255.0)
             y = labels_all[index]
             if config.augment:

@@ -27,11 +27,11 @@ class TrainingBound:
     """Computes logits and the pooled-feature radius for an image radius, batch by batch.
 
     The stages are walked by ``bounds.stages.radius_maps``, the certifier's walk, with this
-    object as the ``StageNorms``: the embedding norm from a Gram eigenvalue (no SVD), attention
-    from ``attention_sensitivity_estimate``. It holds, for every attention stage, the final
-    power-iteration vectors of the first WARM_STARTS samples of the last call, and starts the
-    next call's samples from them in turn; ``state``/``load_state`` save and restore them with
-    the training state.
+    object as the ``StageNorms``: the embedding norm by repeated squaring of its Gram matrix
+    (no solver), attention from ``attention_sensitivity_estimate``. It holds, for every
+    attention stage, the final power-iteration vectors of the first WARM_STARTS samples of the
+    last call, and starts the next call's samples from them in turn; ``state``/``load_state``
+    save and restore them with the training state.
     """
 
     # A sample's warm start comes from another image anyway (the batch changes every step): 16
@@ -51,7 +51,8 @@ class TrainingBound:
         self.generator = generator
         self.vectors: dict[int, Tensor] = {}
 
-    def __call__(self, model: LipschitzViT, images: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    def __call__(self, model: LipschitzViT, images: Tensor,
+                 eps: float | Tensor) -> tuple[Tensor, Tensor]:
         """images (B, C, H, W) -> logits (B, C') from the ordinary forward pass and the radius
         (B,) of the pooled features over the l2 ball of radius eps around each image, float32
         at least (float64 for a float64 model)."""
@@ -62,8 +63,11 @@ class TrainingBound:
             with torch.autocast(images.device.type, enabled=False):
                 steps = radius_maps(model.structure(differentiable=True),
                                     [act.to(dtype) for act in activations], self)
-                radius = torch.full((images.shape[0], 1), float(eps), device=images.device,
-                                    dtype=dtype)
+                # eps may be a tensor (1,) on the device (a compiled step: a float would be
+                # a constant of its graph, compiled anew at every step of the radius ramp)
+                radius = (eps.to(dtype).repeat(images.shape[0], 1) if isinstance(eps, Tensor)
+                          else torch.full((images.shape[0], 1), float(eps),
+                                          device=images.device, dtype=dtype))
                 return logits, propagate(steps, radius)[:, 0].to(dtype)
 
     def embedding_norm(self, index: int, weight: Tensor) -> Tensor:

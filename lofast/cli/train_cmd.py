@@ -100,6 +100,11 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1 ...")
 @click.option("--amp/--no-amp", default=True, show_default=True,
               help="bfloat16 autocast (GPU only).")
+@click.option("--compile", "compile_step", is_flag=True,
+              help="Capture each training step in CUDA graphs (torch.compile, cudagraphs "
+                   "backend): a certified step waits for thousands of kernel launches "
+                   "otherwise. One CUDA device, one process; the first steps compile (about "
+                   "20 s). Same function: a run may resume with or without it.")
 @click.option("--limit", type=click.IntRange(min=1), default=None,
               help="Train on N images only, the first of every class in turn (quick runs).")
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), required=True,
@@ -118,7 +123,7 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
 def train(dataset, data_path, download, preset, model_options, init_path, epochs, batch_size, lr,
           weight_decay, warmup_epochs, schedule, loss, margin, train_eps, eps_ramp_epochs,
           clean_mix, power_iterations, softmax_jacobian, ablation_margin, ablation_weight,
-          temperature, augment, seed, device, amp,
+          temperature, augment, seed, device, amp, compile_step,
           limit, out, resume, time_limit, overwrite) -> None:
     """Train a Lipschitz ViT on a data set and save it as a checkpoint."""
     import torch
@@ -146,6 +151,9 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
     check_writable(out)  # before any training: a run must not fail only when it saves
     dev = resolve_device(device)
     ranks = torchrun_rank()  # (rank, world size) under torchrun with several processes
+    if compile_step and (dev.type != "cuda" or ranks is not None):
+        raise LofastError("--compile captures CUDA graphs: it needs a CUDA device and one "
+                          "process")
     leader = ranks is None or ranks[0] == 0  # writes the checkpoint, the state and the log
     if ranks is not None:
         if dev.type == "cuda":
@@ -244,7 +252,8 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
             history = run_training(model, train_set.images, train_set.labels, test_set.images,
                                    test_set.labels, config, dev, state_path=state_path,
                                    resume=resume, plan=plan, on_step=on_step,
-                                   on_epoch=on_epoch, deadline=deadline)
+                                   on_epoch=on_epoch, deadline=deadline,
+                                   compile_mode="cudagraphs" if compile_step else None)
         except TimeLimitReached as stop:
             if leader:
                 write_checkpoint(stop.history, str(stop))
