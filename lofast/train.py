@@ -192,7 +192,10 @@ class CompiledObjective(nn.Module):
         torch.compiler.cudagraph_mark_step_begin()
         # filled on the device: a host tensor copied in would wait for the queued work
         eps_on_device = torch.full((1,), eps, dtype=torch.float64, device=x.device)
-        loss, logits = self.compiled(x, y, eps_on_device)
+        # an epoch's last, smaller batch gets a graph of its own with fixed shapes (as CUDA
+        # graphs have), not a second graph with a symbolic batch size
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            loss, logits = self.compiled(x, y, eps_on_device)
         if self.bound is not None:
             self.bound.vectors = {k: v.clone() for k, v in self.bound.vectors.items()}
         return loss, logits
