@@ -1,7 +1,9 @@
 """Models and data shared by several test modules (imported by name: pytest puts tests/ on
 sys.path)."""
 
+import copy
 import dataclasses
+import functools
 
 import numpy as np
 import torch
@@ -22,7 +24,15 @@ def synthetic_images(n, generator):
 
 
 def train_tiny(**options):
-    """The tiny preset (patch 16, 5 tokens) trained for 100 steps on the synthetic images."""
+    """The tiny preset (patch 16, 5 tokens) trained for 100 steps on the synthetic images: a
+    fresh copy of the model (and test images), trained once per process and options."""
+    model, test_x, test_y = _trained_tiny(tuple(sorted(options.items())))
+    return copy.deepcopy(model), test_x.clone(), test_y.clone()
+
+
+@functools.lru_cache(maxsize=None)
+def _trained_tiny(options):
+    options = dict(options)
     torch.manual_seed(0)
     config = dataclasses.replace(preset("tiny"), patch_size=16, num_classes=4, **options)
     model = create_model(config, seed=0)
