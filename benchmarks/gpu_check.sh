@@ -22,7 +22,7 @@
 #      `lofast train --compile`; Inductor's Triton build of the loss's backward failed on an
 #      H200 in modes default and reduce-overhead; COMPILE= skips it;
 #      OUT/bench_train_compiled.json);
-#   3. lofast train with TRAIN_ARGS until PASS_SECONDS (default 540) after the start of the
+#   3. lofast train with TRAIN_ARGS until PASS_SECONDS (default 520) after the start of the
 #      pass (none when less than a minute of it is left: PASS_SECONDS=0 gives the figures
 #      only), resumed from STATE when given (OUT/train.safetensors, and its .state.pt for the
 #      next pass). The default TRAIN_ARGS: the shipped default's recipe (certified loss at eps
@@ -36,6 +36,8 @@
 #      device may have at most 16 MiB. With EPOCHS=auto (the default; not with STATE) a
 #      two-epoch probe times an epoch first and the run gets as many epochs as fit, so that its
 #      schedule ends inside the pass; a resuming pass takes the epochs from STATE.
+#   4. lofast certify of the model trained so far, as in 2 (OUT/certify_train.json; at most 50 s
+#      after the pass).
 #
 # Each step runs whatever became of the one before; everything printed goes to OUT/log.txt.
 # Environment: DEVICE (default cuda), BENCH_BATCHES (set but empty: no step 1), BENCH_ARGS
@@ -52,7 +54,7 @@ data=$1
 out=$2
 state=${3:-}
 device=${DEVICE:-cuda}
-pass_seconds=${PASS_SECONDS:-540}
+pass_seconds=${PASS_SECONDS:-520}
 epochs=${EPOCHS:-auto}
 train_args=${TRAIN_ARGS:-"--preset lofast-s --model-option depth=6 --model-option width=256 \
 --model-option position_bias=true \
@@ -154,6 +156,12 @@ if [ $code -ne 0 ] && [ $code -ne 75 ] && [[ " $train_args " == *" --compile "* 
     code=$?
 fi
 [ $code -eq 0 ] || echo "train: exit $code"
+if [ -f "$out/train.safetensors" ]; then
+    echo "== 4. certifying the trained model ($(elapsed) s)"
+    timeout 50 python3 -m lofast certify --checkpoint "$out/train.safetensors" --data "$data" \
+        --device "$device" "${limit[@]}" --eps 0.02 --eps 0.05 --eps 0.1 --eps 36/255 --json \
+        > "$out/certify_train.json" || echo "certify: exit $?"
+fi
 # a file that comes back from the device has at most 16 MiB: a wider model's state comes back in
 # parts (train.safetensors.state.pt.part0, ...), which a resuming pass joins again
 state_file="$out/train.safetensors.state.pt"
