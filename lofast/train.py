@@ -341,8 +341,8 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
             try:
                 loss, logits = training_step(objective, optimizer, x, y, eps, use_amp)
             except (torch.linalg.LinAlgError, ValueError):
-                # weights gone non-finite since the last loss check: refused by an SVD or by
-                # the training bound's own checks (a non-finite position bias)
+                # weights gone non-finite since the last loss check, refused by a check or a
+                # solver inside the step (today's step has none: they show in the loss)
                 if _finite_weights(model):
                     raise
                 raise LofastError(f"training diverged at epoch {epoch + 1} (non-finite weights); "

@@ -231,9 +231,9 @@ def test_train_resume_refuses_another_plan(data_dir, tmp_path, change, named):
 
 def test_weights_gone_non_finite_mid_epoch_are_one_clear_error(data_dir, tmp_path,
                                                                monkeypatch):
-    """Between two loss checks a step can leave non-finite weights that the next step's
-    certified bound refuses (an attention spec with a non-finite position bias): that is
-    divergence, reported as such, not a traceback."""
+    """A step that leaves non-finite weights between two loss checks (here a position bias,
+    which the training bound does not read back): the next steps' losses are non-finite, and
+    that is divergence, reported as such at the next check, not a traceback."""
     import torch
 
     import lofast.train as train_module
@@ -256,7 +256,7 @@ def test_weights_gone_non_finite_mid_epoch_are_one_clear_error(data_dir, tmp_pat
     result = invoke(*train_args(data_dir, out, "--epochs", "3", "--limit", "32", "--loss",
                                 "certified", "--train-eps", "0.05", "--model-option",
                                 "position_bias=true"))
-    assert_one_clear_error(result, "diverged at epoch 2 (non-finite weights)")
+    assert_one_clear_error(result, "diverged at epoch 2 (non-finite loss)")
     assert not out.exists()
 
 
