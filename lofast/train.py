@@ -172,16 +172,19 @@ class CompiledObjective(nn.Module):
     one of Inductor's modes ("default", "reduce-overhead", "max-autotune"). On a CPU the
     cudagraphs backend runs the traced graph without capturing it.
 
-    The step's radius goes in as a tensor on the device (a float would be a constant of the graph,
-    compiled anew at every step of the radius ramp), and the warm-start vectors that the bound
-    hands to the next step are copied out of the graph's memory, which its next replay
+    The step's radius goes in as a tensor on the device (a float would be a constant of the
+    graph, compiled anew at every step of the radius ramp), and the warm-start vectors that the
+    bound hands to the next step are copied out of the graph's memory, which its next replay
     overwrites (as it does the loss and logits returned: read them before the next step)."""
 
     def __init__(self, objective: TrainingObjective, mode: str) -> None:
         super().__init__()
         self.bound = objective.bound
-        self.compiled = (torch.compile(objective, backend="cudagraphs") if mode == "cudagraphs"
-                         else torch.compile(objective, mode=mode))
+        # dynamic=False: an epoch's last, smaller batch gets a graph of its own with fixed
+        # shapes (as CUDA graphs have), not a second graph with a symbolic batch size
+        self.compiled = (torch.compile(objective, backend="cudagraphs", dynamic=False)
+                         if mode == "cudagraphs"
+                         else torch.compile(objective, mode=mode, dynamic=False))
         self.eager = [objective]  # in a list: not a second registration of its parameters
 
     def forward(self, x: Tensor, y: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -192,10 +195,7 @@ class CompiledObjective(nn.Module):
         torch.compiler.cudagraph_mark_step_begin()
         # filled on the device: a host tensor copied in would wait for the queued work
         eps_on_device = torch.full((1,), eps, dtype=torch.float64, device=x.device)
-        # an epoch's last, smaller batch gets a graph of its own with fixed shapes (as CUDA
-        # graphs have), not a second graph with a symbolic batch size
-        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-            loss, logits = self.compiled(x, y, eps_on_device)
+        loss, logits = self.compiled(x, y, eps_on_device)
         if self.bound is not None:
             self.bound.vectors = {k: v.clone() for k, v in self.bound.vectors.items()}
         return loss, logits

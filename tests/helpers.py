@@ -30,7 +30,7 @@ def train_tiny(**options):
     return copy.deepcopy(model), test_x.clone(), test_y.clone()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trained_tiny(options):
     options = dict(options)
     torch.manual_seed(0)

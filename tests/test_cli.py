@@ -455,13 +455,12 @@ def test_compiled_training_step_trains_the_same_model(data_dir):
     changes every step, reaches the eager run's weights and history with one graph per batch
     size; the CLI refuses the option without a CUDA device, in one line."""
     import torch
+    from torch._dynamo.utils import counters
 
     from lofast.config import TrainConfig, preset
     from lofast.data import load_dataset
     from lofast.models.vit import create_model
     from lofast.train import train
-
-    from torch._dynamo.utils import counters
 
     counters.clear()
     train_set, test_set = (load_dataset(data_dir, split, "folder") for split in ("train", "test"))

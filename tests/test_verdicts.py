@@ -84,7 +84,7 @@ def test_restarts_run_side_by_side_and_the_first_to_find_wins(trained):
 def test_attack_takes_the_exact_caps_once(trained, monkeypatch):
     """A ViT under attack computes its exact caps (an SVD each) once for the whole attack, not
     in each of its forward passes, and nothing stays held afterwards."""
-    import lofast.models.layers as layers
+    from lofast.models import layers
 
     model, x, y = trained
     model = copy.deepcopy(model).double()
