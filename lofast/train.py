@@ -83,17 +83,18 @@ def scheduled_eps(config: TrainConfig, progress: float) -> float:
 
 
 def augment(images: Tensor, generator: torch.Generator) -> Tensor:
-    """Random crop with 4-pixel zero padding and random horizontal flip, (B, C, H, W)."""
+    """Random crop with 4-pixel zero padding and random horizontal flip, (B, C, H, W), drawn
+    from ``generator``, a generator of the images' device: nothing goes through the host."""
     b, _, h, w = images.shape
+    device = images.device
     padded = F.pad(images, (4, 4, 4, 4))
-    dy = torch.randint(0, 9, (b,), generator=generator)
-    dx = torch.randint(0, 9, (b,), generator=generator)
-    rows = (dy[:, None] + torch.arange(h)[None]).to(images.device)  # (B, H)
-    cols = (dx[:, None] + torch.arange(w)[None]).to(images.device)  # (B, W)
-    batch = torch.arange(b, device=images.device)[:, None, None, None]
-    channel = torch.arange(images.shape[1], device=images.device)[None, :, None, None]
+    shift = torch.randint(0, 9, (2, b), generator=generator, device=device)  # rows, columns
+    rows = shift[0, :, None] + torch.arange(h, device=device)  # (B, H)
+    cols = shift[1, :, None] + torch.arange(w, device=device)  # (B, W)
+    batch = torch.arange(b, device=device)[:, None, None, None]
+    channel = torch.arange(images.shape[1], device=device)[None, :, None, None]
     out = padded[batch, channel, rows[:, None, :, None], cols[:, None, None, :]]
-    flip = (torch.rand(b, generator=generator) < 0.5).to(images.device)
+    flip = torch.rand(b, generator=generator, device=device) < 0.5
     return torch.where(flip[:, None, None, None], out.flip(-1), out)
 
 
@@ -262,6 +263,8 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: _lr_factor(s, total, warmup, config.schedule))
     generator = torch.Generator().manual_seed(config.seed)
+    # the augmentation's draws, on the device (the others are few, or feed the host's order)
+    augment_generator = torch.Generator(device).manual_seed(config.seed)
     history: list[EpochStats] = []
     start_epoch = 0
     state = None
@@ -286,6 +289,13 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         generator.set_state(state["generator"])
+        try:
+            augment_generator.set_state(state["augment_generator"])
+        except (KeyError, RuntimeError):
+            # a state of an older version, or saved on another kind of device (whose generator
+            # state has another form): the augmentation goes on from the seed, and the run is
+            # no longer bit for bit the uninterrupted one
+            pass
         start_epoch = state["epoch"]
         history = [EpochStats(**h) for h in state["history"]]
         partial = state.get("partial")
@@ -336,7 +346,7 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
             x = images_all[index].permute(0, 3, 1, 2).float().div_(255.0)
             y = labels_all[index]
             if config.augment:
-                x = augment(x, generator)
+                x = augment(x, augment_generator)
             eps = scheduled_eps(config, epoch + step / steps_per_epoch)
             try:
                 loss, logits = training_step(objective, optimizer, x, y, eps, use_amp)
@@ -364,8 +374,9 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
                            "correct": int(correct), "seen": seen,
                            "seconds": time.perf_counter() - started}
                 if state_path is not None and rank == 0:
-                    save_training_state(state_path, model, optimizer, scheduler, generator,
-                                        epoch, config, history, bound, plan, stopped)
+                    save_training_state(state_path, model, optimizer, scheduler,
+                                        (generator, augment_generator), epoch, config,
+                                        history, bound, plan, stopped)
                 raise TimeLimitReached(f"epoch {epoch + 1}, step {step + 1}/{steps_per_epoch}",
                                        history)
         seconds = time.perf_counter() - started
@@ -378,8 +389,9 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
                               "last finished epoch's state is kept; lower the learning rate")
         history.append(stats)
         if state_path is not None and rank == 0:
-            save_training_state(state_path, model, optimizer, scheduler, generator, epoch + 1,
-                                config, history, bound, plan)
+            save_training_state(state_path, model, optimizer, scheduler,
+                                (generator, augment_generator), epoch + 1, config, history,
+                                bound, plan)
         if on_epoch is not None:
             on_epoch(stats)
         if _past(deadline) and epoch + 1 < config.epochs:
@@ -429,11 +441,13 @@ def _summed(loss_sum: float, correct: int, seen: int,
 
 def save_training_state(path: Path, model: LipschitzViT, optimizer: torch.optim.Optimizer,
                         scheduler: torch.optim.lr_scheduler.LRScheduler,
-                        generator: torch.Generator, epoch: int, config: TrainConfig,
-                        history: list[EpochStats], bound: TrainingBound | None = None,
-                        plan: dict | None = None, partial: dict | None = None) -> None:
-    """`epoch` counts finished epochs; `partial` is the position inside the next one where a
-    time limit stopped it (None at an epoch's end)."""
+                        generators: tuple[torch.Generator, torch.Generator], epoch: int,
+                        config: TrainConfig, history: list[EpochStats],
+                        bound: TrainingBound | None = None, plan: dict | None = None,
+                        partial: dict | None = None) -> None:
+    """`generators`: the run's (host, augmentation) random generators; `epoch` counts finished
+    epochs; `partial` is the position inside the next one where a time limit stopped it (None
+    at an epoch's end)."""
     state = {
         "plan": plan or {},
         "partial": partial,
@@ -441,7 +455,8 @@ def save_training_state(path: Path, model: LipschitzViT, optimizer: torch.optim.
         "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
-        "generator": generator.get_state(),
+        "generator": generators[0].get_state(),
+        "augment_generator": generators[1].get_state(),
         "epoch": epoch,
         "train_config": plain_dict(config),
         "history": [asdict(h) for h in history],

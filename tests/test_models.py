@@ -440,3 +440,25 @@ def test_batched_training_caps_match_one_at_a_time():
     exact = spectral_caps(weights, caps, exact=True)
     assert torch.linalg.matrix_norm(exact["c"].detach(), ord=2).item() == pytest.approx(0.5,
                                                                                       rel=1e-12)
+
+
+def test_augment_crops_and_flips_from_its_generator():
+    """Every augmented image is one of the 81 crops of the 4-pixel zero-padded image, flipped
+    or not, chosen by the generator (the same seed, the same batch), all of them in use."""
+    import torch.nn.functional as F
+
+    from lofast.train import augment
+
+    images = torch.rand(64, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    out = augment(images, torch.Generator().manual_seed(1))
+    assert out.shape == images.shape
+    assert torch.equal(out, augment(images, torch.Generator().manual_seed(1)))
+    padded = F.pad(images, (4, 4, 4, 4))
+    crops = torch.stack([padded[:, :, dy:dy + 8, dx:dx + 8]
+                         for dy in range(9) for dx in range(9)], dim=1)  # (B, 81, C, H, W)
+    candidates = torch.cat([crops, crops.flip(-1)], dim=1)  # (B, 162, C, H, W)
+    matches = (candidates == out[:, None]).flatten(2).all(dim=2)  # (B, 162)
+    assert matches.any(dim=1).all()
+    chosen = matches.float().argmax(dim=1)
+    assert (chosen >= 81).any() and (chosen < 81).any()  # flipped and not
+    assert len(set((chosen % 81).tolist())) > 20  # many offsets
