@@ -3,6 +3,7 @@
     python benchmarks/bench_train.py [--preset paper-d3 | --checkpoint PATH] [--batch-size 256]
         [--steps 20] [--power-iterations 2] [--device auto] [--out bench_train.json]
         [--profile profile.txt] [--compile default|reduce-overhead|max-autotune|cudagraphs ...]
+        [--no-amp]
 
 Times full optimisation steps (forward, loss, backward, AdamW) on random CIFAR-sized images, after
 warm-up steps, and extrapolates to one epoch of 50,000 images. Prints a table and writes JSON;
@@ -122,6 +123,10 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default="bench_train.json")
     parser.add_argument("--profile", help="write a torch.profiler table of certified steps here")
+    parser.add_argument("--no-amp", dest="amp", action="store_false",
+                        help="float32 on a GPU too (as `lofast train --no-amp`; by default the "
+                             "model's forward and backward run in bfloat16 autocast there, the "
+                             "bound in float32 always)")
     parser.add_argument("--compile", choices=["default", "reduce-overhead", "max-autotune",
                                               "cudagraphs"], action="append", default=[],
                         help="also time the certified step under torch.compile in this mode "
@@ -132,12 +137,12 @@ def main() -> None:
     initial = (load_checkpoint(args.checkpoint) if args.checkpoint
                else create_model(preset(args.preset), seed=0))
     configs = {
-        "ce": TrainConfig(batch_size=args.batch_size),
+        "ce": TrainConfig(batch_size=args.batch_size, amp=args.amp),
         "certified": TrainConfig(batch_size=args.batch_size, loss="certified", train_eps=0.2,
-                                 power_iterations=args.power_iterations),
+                                 power_iterations=args.power_iterations, amp=args.amp),
         "certified, no refinement": TrainConfig(
             batch_size=args.batch_size, loss="certified", train_eps=0.2,
-            power_iterations=args.power_iterations, softmax_jacobian=False),
+            power_iterations=args.power_iterations, softmax_jacobian=False, amp=args.amp),
     }
     for mode in args.compile:
         configs[f"ce, compiled ({mode})"] = configs["ce"]
@@ -167,6 +172,7 @@ def main() -> None:
               "threads": torch.get_num_threads(), "preset": args.preset,
               "checkpoint": args.checkpoint,
               "batch_size": args.batch_size, "power_iterations": args.power_iterations,
+              "bfloat16_autocast": args.amp and device.type == "cuda",
               "rows": rows, "certified_over_plain": ratio,
               "unrefined_over_plain": unrefined,
               "compiled_certified_over_plain": compiled_ratios}
