@@ -129,8 +129,8 @@ def main() -> None:
                              "bound in float32 always)")
     parser.add_argument("--compile", choices=["default", "reduce-overhead", "max-autotune",
                                               "cudagraphs"], action="append", default=[],
-                        help="also time the certified step under torch.compile in this mode "
-                             "(repeatable)")
+                        help="also time the plain and certified steps under torch.compile "
+                             "in this mode (repeatable)")
     args = parser.parse_args()
 
     device = resolve_device(args.device)
