@@ -9,7 +9,7 @@ Times full optimisation steps (forward, loss, backward, AdamW) on random CIFAR-s
 warm-up steps, and extrapolates to one epoch of 50,000 images. Prints a table and writes JSON;
 --profile also runs five certified steps under torch.profiler and writes the operators that
 took the most time (device time on a GPU) to the named file; --compile adds rows for the plain
-and the certified step under torch.compile in that mode (``lofast.train.CompiledObjective``,
+and the certified step under torch.compile in that mode (``lofast.objective.CompiledObjective``,
 as `lofast train --compile`; compilation in the warm-up steps, untimed; cudagraphs: CUDA
 graphs of the captured step without Inductor's generated kernels) and their ratio.
 Each eager row also counts the operators that launch work in one forward and backward pass
@@ -34,7 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lofast.checkpoint import load_checkpoint
 from lofast.config import TrainConfig, preset
 from lofast.models.vit import LipschitzViT, create_model
-from lofast.train import CompiledObjective, TrainingObjective, resolve_device, training_step
+from lofast.objective import CompiledObjective, TrainingObjective
+from lofast.train import resolve_device, training_step
 from lofast.training_bound import TrainingBound
 
 EPOCH_IMAGES = 50_000

@@ -1,4 +1,5 @@
-"""Training loop, losses and the resumable training state. Progress goes through callbacks."""
+"""Training loop, data augmentation and the resumable training state (the loss of a step:
+``lofast.objective``). Progress goes through callbacks."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from lofast.config import Loss, Schedule, TrainConfig, plain_dict
 from lofast.errors import LofastError, TimeLimitReached
 from lofast.files import atomic_write
 from lofast.models.vit import LipschitzViT
+from lofast.objective import CompiledObjective, TrainingObjective, scheduled_eps
 from lofast.training_bound import TrainingBound
 
 
@@ -34,52 +36,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise LofastError(f"device {name!r} requested but no CUDA GPU is available")
     return device
-
-
-def head_pair_norms(model: LipschitzViT, labels: Tensor) -> Tensor:
-    """||w_y - w_j|| for every sample and class j, (B, C); zero at j = y."""
-    weight = model.stages[-1].effective_weight()
-    return torch.linalg.vector_norm(weight[labels][:, None, :] - weight[None], dim=-1)
-
-
-def training_loss(model: LipschitzViT, logits: Tensor, labels: Tensor, config: TrainConfig,
-                  feature_radius: Tensor | None = None) -> Tensor:
-    """Cross-entropy on logits whose non-true entries j are raised by r * ||w_y - w_j||, the
-    amount the head certificate subtracts for a pooled-feature radius r: r = margin for the
-    Lipschitz-margin loss, r = the per-sample LoFAST training bound (B,) for the certified loss
-    (mixed with clean cross-entropy by clean_mix)."""
-    offset = {Loss.CE: None, Loss.MARGIN: config.margin if config.margin > 0 else None,
-              Loss.CERTIFIED: None if feature_radius is None else feature_radius[:, None]
-              }[config.loss]
-    if offset is None:
-        return F.cross_entropy(logits / config.temperature, labels)
-    raised = logits + offset * head_pair_norms(model, labels)
-    loss = F.cross_entropy(raised / config.temperature, labels)
-    if config.loss is Loss.CERTIFIED and config.clean_mix > 0:
-        clean = F.cross_entropy(logits / config.temperature, labels)
-        loss = (1.0 - config.clean_mix) * loss + config.clean_mix * clean
-    return loss
-
-
-def attention_reward(model: LipschitzViT, x: Tensor, logits: Tensor, labels: Tensor,
-                     config: TrainConfig) -> Tensor:
-    """max(0, m - (CE_ablated - CE)) for images (B, C, H, W) and their logits (B, K): zero once
-    replacing every block's attention by its mean over the batch (a constant of the step, as
-    ``attention_report`` ablates with the mean over a data set) costs the batch at least m nats
-    of cross-entropy (m = ablation_margin). Certified training otherwise switches attention
-    off, since every unit of input-dependent attention costs radius; this term makes
-    attention that does no work cost loss instead."""
-    ablated = model(x, fixed_attention=model.batch_mean_attention(x)).to(logits.dtype)
-    gap = (F.cross_entropy(ablated / config.temperature, labels)
-           - F.cross_entropy(logits / config.temperature, labels))
-    return torch.relu(config.ablation_margin - gap)
-
-
-def scheduled_eps(config: TrainConfig, progress: float) -> float:
-    """Training radius after `progress` epochs: linear ramp from 0 to train_eps."""
-    if config.eps_ramp_epochs <= 0:
-        return config.train_eps
-    return config.train_eps * min(1.0, progress / config.eps_ramp_epochs)
 
 
 def augment(images: Tensor, generator: torch.Generator) -> Tensor:
@@ -138,68 +94,6 @@ class StepStats:
     loss: float
     accuracy: float
     images_per_second: float
-
-
-class TrainingObjective(nn.Module):
-    """The loss of a batch as one module (so DistributedDataParallel can wrap it): the training
-    loss and the clean logits of images (B, C, H, W) with labels (B,), the logits worsened by
-    the training bound's radius at eps for the certified loss."""
-
-    def __init__(self, model: LipschitzViT, config: TrainConfig,
-                 bound: TrainingBound | None) -> None:
-        super().__init__()
-        self.model = model
-        self.config = config
-        self.bound = bound
-
-    def forward(self, x: Tensor, y: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        radius = None
-        with self.model.reusing_effective_weights():  # effective weights once per step
-            if self.bound is not None:
-                logits, radius = self.bound(self.model, x, eps)
-            else:
-                logits = self.model(x)
-            loss = training_loss(self.model, logits.float(), y, self.config, radius)
-            if self.config.ablation_margin > 0:
-                loss = loss + self.config.ablation_weight * attention_reward(
-                    self.model, x, logits.float(), y, self.config)
-        return loss, logits
-
-
-class CompiledObjective(nn.Module):
-    """A ``TrainingObjective`` under torch.compile, called once per training step. ``mode``:
-    "cudagraphs" (the step's kernels captured in CUDA graphs and replayed, without code
-    generation: a certified step on a GPU otherwise waits for thousands of kernel launches) or
-    one of Inductor's modes ("default", "reduce-overhead", "max-autotune"). On a CPU the
-    cudagraphs backend runs the traced graph without capturing it.
-
-    The step's radius goes in as a tensor on the device (a float would be a constant of the
-    graph, compiled anew at every step of the radius ramp), and the warm-start vectors that the
-    bound hands to the next step are copied out of the graph's memory, which its next replay
-    overwrites (as it does the loss and logits returned: read them before the next step)."""
-
-    def __init__(self, objective: TrainingObjective, mode: str) -> None:
-        super().__init__()
-        self.bound = objective.bound
-        # dynamic=False: an epoch's last, smaller batch gets a graph of its own with fixed
-        # shapes (as CUDA graphs have), not a second graph with a symbolic batch size
-        self.compiled = (torch.compile(objective, backend="cudagraphs", dynamic=False)
-                         if mode == "cudagraphs"
-                         else torch.compile(objective, mode=mode, dynamic=False))
-        self.eager = [objective]  # in a list: not a second registration of its parameters
-
-    def forward(self, x: Tensor, y: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        if self.bound is not None and not self.bound.vectors:
-            # the first step of a fresh run, eager: its power iterations start from random
-            # vectors of the run's generator, which a graph cannot draw from
-            return self.eager[0](x, y, eps)
-        torch.compiler.cudagraph_mark_step_begin()
-        # filled on the device: a host tensor copied in would wait for the queued work
-        eps_on_device = torch.full((1,), eps, dtype=torch.float64, device=x.device)
-        loss, logits = self.compiled(x, y, eps_on_device)
-        if self.bound is not None:
-            self.bound.vectors = {k: v.clone() for k, v in self.bound.vectors.items()}
-        return loss, logits
 
 
 # Steps between host synchronisations of the training loop (loss, accuracy, divergence, the
@@ -357,6 +251,15 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
                     raise
                 raise LofastError(f"training diverged at epoch {epoch + 1} (non-finite weights); "
                                   "lower the learning rate") from None
+            except RuntimeError as e:  # dynamo's errors too
+                if compile_mode is None:
+                    raise
+                # a compilation or capture that failed, in the forward or the backward graph
+                # (on an H200, cuSOLVER inside a CUDA graph did): one line, not a traceback
+                what = (str(e).strip().splitlines() or [""])[0][:200]
+                raise LofastError(f"the compiled training step failed ({type(e).__name__}: "
+                                  f"{what}); train without --compile (--resume goes on from "
+                                  "the last saved state)") from e
             scheduler.step()
             sums += torch.stack([loss.double() * len(y),
                                  (logits.argmax(dim=1) == y).sum().double()])

@@ -111,9 +111,10 @@ def test_resume_after_interrupt_matches_uninterrupted_run(data_dir, tmp_path, mo
 def test_diverging_run_stops_before_saving_its_weights(data_dir, tmp_path, monkeypatch):
     import torch
 
+    import lofast.objective as objective_module
     import lofast.train as train_module
 
-    original = train_module.training_loss
+    original = objective_module.training_loss
     calls = {"n": 0}
 
     def nan_in_epoch_two(*a, **k):  # 96 images in batches of 16: 6 steps per epoch
@@ -121,7 +122,7 @@ def test_diverging_run_stops_before_saving_its_weights(data_dir, tmp_path, monke
         loss = original(*a, **k)
         return loss * float("nan") if calls["n"] == 9 else loss
 
-    monkeypatch.setattr(train_module, "training_loss", nan_in_epoch_two)
+    monkeypatch.setattr(objective_module, "training_loss", nan_in_epoch_two)
     out = tmp_path / "d.safetensors"
     result = CliRunner().invoke(cli, [
         "train", "--dataset", "folder", "--data", str(data_dir), "--preset", "tiny",
@@ -486,3 +487,31 @@ def test_compiled_training_step_trains_the_same_model(data_dir):
                                       "--out", "unused.safetensors"])
     assert result.exit_code == 1 and "needs a CUDA device" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_failing_compiled_step_is_one_clear_error(data_dir, monkeypatch):
+    """A compilation or capture that fails (on an H200, cuSOLVER inside a CUDA graph did) stops
+    training with one line that names the cause and the way on, not a traceback."""
+    import torch
+
+    from lofast.config import TrainConfig, preset
+    from lofast.data import load_dataset
+    from lofast.errors import LofastError
+    from lofast.models.vit import create_model
+    from lofast.train import train
+
+    def compile_that_fails_in_capture(module, **options):
+        def run(*args):
+            raise RuntimeError("CUDA error: operation failed due to a previous error during "
+                               "capture\nmore detail")
+        return run
+
+    monkeypatch.setattr(torch, "compile", compile_that_fails_in_capture)
+    train_set = load_dataset(data_dir, "train", "folder")
+    config = TrainConfig(epochs=1, batch_size=16, loss="certified", train_eps=0.1,
+                         power_iterations=1, augment=False)
+    model = create_model(preset("tiny", num_classes=4, depth=1), seed=0)
+    with pytest.raises(LofastError, match=r"compiled training step failed \(RuntimeError: CUDA "
+                                          r"error: operation failed .*capture\); train without"):
+        train(model, train_set.images, train_set.labels, train_set.images[:4],
+              train_set.labels[:4], config, torch.device("cpu"), compile_mode="cudagraphs")

@@ -20,7 +20,7 @@ from lofast.certificate import Certifier, CertifySettings
 from lofast.config import TrainConfig, preset
 from lofast.models.layers import Attention
 from lofast.models.vit import create_model
-from lofast.train import attention_reward, head_pair_norms, scheduled_eps, training_loss
+from lofast.objective import attention_reward, head_pair_norms, scheduled_eps, training_loss
 from lofast.training_bound import TrainingBound
 
 DENSE = SpectralMethod(kind="dense")
