@@ -201,9 +201,12 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
             "data": train_set.digest()[:16], "limit": limit,
             "init": None if init_path is None else file_digest(init_path)[:16]}
     processes = "" if ranks is None else f", {ranks[1]} processes"
+    # the pause at the second step (and at an epoch's last, smaller batch) is compilation
+    compiled = (", compiled (compiling pauses it at the second step and at the first "
+                "epoch's last batch)") if compile_step else ""
     if leader:
         console.print(f"training [bold]{architecture}[/] on {train_set.name} ({len(train_set)} "
-                      f"train, {len(test_set)} test images) on {dev}{processes}")
+                      f"train, {len(test_set)} test images) on {dev}{processes}{compiled}")
 
     def write_checkpoint(history, stopped: str | None = None) -> None:
         """The model as it is now, with its training record; ``stopped``: where a time
