@@ -295,3 +295,22 @@ def test_sll_check_is_a_rigorous_proof():
         check_stage(SLLSpec(weight, torch.zeros(48, dtype=torch.float64),
                             q * critical * (1 - 1e-13)), 0)
     check_stage(SLLSpec(weight, torch.zeros(48, dtype=torch.float64), q * critical * (1 + 1e-4)), 0)
+
+
+def test_non_finite_position_bias_is_refused_by_the_certifier():
+    """The attention spec of a bias being trained skips its NaN check (no read-back in a
+    training step); the certifier's specs are detached copies and are refused, whichever
+    check reaches them first."""
+    from lofast.config import preset
+    from lofast.models.vit import create_model
+
+    model = create_model(preset("tiny", position_bias=True), seed=0)
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if n.endswith("position_bias")).fill_(
+            float("nan"))
+    model.train()
+    model.structure(differentiable=True)  # training: no read-back, no refusal
+    model.eval()
+    x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with pytest.raises((CertificationError, ValueError), match="NaN"):
+        Certifier(model).certify(x, torch.zeros(2, dtype=torch.long))
