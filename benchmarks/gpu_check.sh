@@ -6,7 +6,8 @@
 #
 # DATA: the CIFAR-10 archive or folder; OUT: an empty folder for the results; STATE: an earlier
 # pass's OUT (its train.safetensors.state.pt), to resume that training where it stopped (bit for
-# bit: `lofast train --resume`).
+# bit: `lofast train --resume`). INIT=CHECKPOINT instead starts a new schedule from a trained
+# model (`lofast train --init`, the way the shipped default was trained, in stages).
 #
 # A slot of 15 minutes takes two calls: the training, `BENCH_BATCHES= COMPILE= bash ... DATA OUT`
 # (9 minutes), then the figures, `PASS_SECONDS=0 BENCH_BATCHES=1024 bash ... DATA OUT2` (about
@@ -31,7 +32,9 @@
 #      the GPU gives (at batch 1024, eager: 44.95 % test accuracy after a whole 42-epoch
 #      schedule, 2,058 steps, against the default's 48.17 % after about 18,000 steps;
 #      lofast-live's reward recipe collapsed at the end of its radius ramp on the whole training
-#      set at batch 1024, on an H200 and on a CPU alike: docs/experiments.md, 2026-11-26). A
+#      set at batch 1024, on an H200 and on a CPU alike: docs/experiments.md, 2026-11-26); with
+#      INIT, the same recipe as a later stage of the default's: from INIT's weights and
+#      architecture, the radius at 0.15 from the start, half an epoch of warm-up. A
 #      state over 15 MiB is written in parts of 15 MiB, as a file that comes back from the
 #      device may have at most 16 MiB. With EPOCHS=auto (the default; not with STATE) a
 #      two-epoch probe on a quarter of the training set times an epoch (and the compilation)
@@ -43,9 +46,9 @@
 # Each step runs whatever became of the one before; everything printed goes to OUT/log.txt.
 # Environment: DEVICE (default cuda), BENCH_BATCHES (set but empty: no step 1), BENCH_ARGS
 # (more options of bench_train.py), COMPILE, LIMIT (certify only the first LIMIT test images;
-# default all), PASS_SECONDS, TRAIN_ARGS, EPOCHS, PART_MIB (default 15). With DEVICE=cpu and a
-# small LIMIT and PASS_SECONDS it runs anywhere, which is how it is tested. Needs python3 with
-# torch and lofast's dependencies; lofast itself is taken from this checkout.
+# default all), PASS_SECONDS, TRAIN_ARGS, INIT, EPOCHS, PART_MIB (default 15). With DEVICE=cpu
+# and a small LIMIT and PASS_SECONDS it runs anywhere, which is how it is tested. Needs python3
+# with torch and lofast's dependencies; lofast itself is taken from this checkout.
 set -uo pipefail
 if [ $# -lt 2 ]; then
     echo "usage: bash benchmarks/gpu_check.sh DATA OUT [STATE]" >&2
@@ -57,10 +60,17 @@ state=${3:-}
 device=${DEVICE:-cuda}
 pass_seconds=${PASS_SECONDS:-520}
 epochs=${EPOCHS:-auto}
-train_args=${TRAIN_ARGS:-"--preset lofast-s --model-option depth=6 --model-option width=256 \
---model-option position_bias=true \
---lr 2e-3 --batch-size 256 --warmup-epochs 2 --temperature 0.25 --loss certified --train-eps 0.15 \
---eps-ramp-epochs 5 --power-iterations 1 --no-amp --no-augment --compile"}
+recipe="--lr 2e-3 --batch-size 256 --temperature 0.25 --loss certified --train-eps 0.15 \
+--power-iterations 1 --no-amp --no-augment --compile"
+if [ -n "${INIT:-}" ] && [ -n "$state" ]; then
+    echo "INIT starts a new schedule and STATE resumes one: give one of them" >&2
+    exit 2
+elif [ -n "${INIT:-}" ]; then
+    train_args=${TRAIN_ARGS:-"--init $INIT --warmup-epochs 0.5 $recipe"}
+else
+    train_args=${TRAIN_ARGS:-"--preset lofast-s --model-option depth=6 --model-option width=256 \
+--model-option position_bias=true --warmup-epochs 2 --eps-ramp-epochs 5 $recipe"}
+fi
 export PYTHONUNBUFFERED=1
 begin=$(date +%s)
 cd "$(dirname "$0")/.."
@@ -157,9 +167,14 @@ train() {
 train "${resume[@]}"
 code=$?
 if [ $code -ne 0 ] && [ $code -ne 75 ] && [[ " $train_args " == *" --compile "* ]]; then
-    echo "== train: exit $code; going on without --compile from its last state ($(elapsed) s)"
     train_args=${train_args/--compile/}
-    train --resume --overwrite
+    if [ -f "$out/train.safetensors.state.pt" ]; then
+        echo "== train: exit $code; going on without --compile from its last state ($(elapsed) s)"
+        train --resume --overwrite
+    else  # it failed before its first state: the run from its start
+        echo "== train: exit $code; training without --compile ($(elapsed) s)"
+        train "${resume[@]}" --overwrite
+    fi
     code=$?
 fi
 [ $code -eq 0 ] || echo "train: exit $code"
