@@ -2,6 +2,7 @@
 plain-torch bounder (no auto_LiRPA needed), verified results checked against dense sampling of a
 2-D input; with auto_LiRPA, beta-CROWN on a tiny lofast model against PGD and alpha-CROWN."""
 
+import functools
 import itertools
 import json
 import math
@@ -69,6 +70,14 @@ def radius(net, label):
     return lo
 
 
+@functools.cache
+def network_and_radius(seed):
+    """relu_net(seed), the label of X and its sampled radius (one bisection per seed)."""
+    net = relu_net(seed)
+    y = label(net)
+    return net, y, radius(net, y)
+
+
 def label(net):
     with torch.no_grad():
         return int(net(X).argmax())
@@ -99,9 +108,7 @@ class Recording:
 def hard_case(one_thread):
     """Seed 6 at half its radius: neither intervals nor CROWN certify the root, BaB can.
     Returns (net, label, eps, radius)."""
-    net = relu_net(6)
-    y = label(net)
-    r = radius(net, y)
+    net, y, r = network_and_radius(6)
     return net, y, 0.5 * r, r
 
 
@@ -201,12 +208,20 @@ def test_bab_certifies_what_intervals_and_crown_cannot(hard_case):
     assert ibp.verdict == "unknown"
 
 
-@pytest.mark.parametrize("seed", [1, 2, 4, 6])
+@pytest.fixture(scope="module")
+def optimiser_imported():
+    """A process's first torch.optim optimizer imports torch._dynamo (about 2 s): done here, so
+    that it is not charged to a run's time limit (beta-CROWN's multipliers use Adam)."""
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])
+
+
+# Networks whose runs all end verified or falsified within the limit on this machine (seeds 2
+# and 6 spent 2 s in each of eight runs that ended "unknown", checking nothing): below the
+# sampled radius every one verifies, at 0.97 of it after 23 to 341 domains.
+@pytest.mark.parametrize("seed", [10, 12, 13, 17])
 @pytest.mark.parametrize("heuristic", ["babsr", "widest"])
-def test_verified_results_are_true(one_thread, seed, heuristic):
-    net = relu_net(seed)
-    y = label(net)
-    r = radius(net, y)
+def test_verified_results_are_true(one_thread, optimiser_imported, seed, heuristic):
+    net, y, r = network_and_radius(seed)
     outcomes = []
     for fraction in (0.5, 0.8, 0.9, 0.97, 1.03, 1.2):
         eps = fraction * r
