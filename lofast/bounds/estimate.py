@@ -28,6 +28,7 @@ from lofast.bounds.first_order import first_order_maps
 from lofast.bounds.krylov import LinearMap, power_iterate
 from lofast.bounds.near_reference import SOFTMAX_NEGLIGIBLE
 from lofast.bounds.softmax_terms import (
+    ScoreFactor,
     probabilities_from_projections,
     score_factors,
     softmax_first_order_maps,
@@ -158,9 +159,9 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
         softmax = (score * value_norm).sum(dim=1) / (2.0 * w.scale)
         if (X.device.type != "cpu" or torch.compiler.is_compiling()
                 or bool((softmax > SOFTMAX_NEGLIGIBLE * zeta).any())):
-            x_value_out = torch.einsum("bhne,hef->bhnf", x_value, output)  # (B, h, n, d) X B_l
             norm, softmax_vector = estimated_norm(start[:, 1], *softmax_first_order_maps(
-                probs, *score_factors(x_query, x_key, query, key), x_value_out, w.scale))
+                probs, *score_factors(x_query, x_key, query, key),
+                ScoreFactor(output.mT, x_value), w.scale))  # X B_l = (X Wv_l) Wo_l
             softmax = torch.minimum(softmax, norm)
         else:
             softmax_vector = start[:, 1]

@@ -157,27 +157,32 @@ def score_norm(x_score: Tensor, x_score_t: Tensor, method: SpectralMethod,
 
 
 def softmax_first_order_maps(probs: Tensor, through_keys: ScoreTerm,
-                             through_queries: ScoreTerm, right: Tensor,
+                             through_queries: ScoreTerm, right: ScoreTerm,
                              scale: float) -> tuple[LinearMap, LinearMap]:
     """G -> sum_l J_l(G K_l + (G U_l)^T) right_l / s (n x m -> n x k) and its adjoint.
 
     probs (B, h, n, n); through_keys K_l and through_queries U_l (each m x n, multiplied out
     (B, h, m, n) or as a ``ScoreFactor``): with ``score_factors`` (m = d) G K_l + (G U_l)^T is
-    G A_l X^T + X A_l G^T, the change of head l's
-    scores; right (B, h, n, k): X B_l gives D_X itself, a factor R_l^T with the same Gram
-    matrix [R_1^T; ...] [R_1^T; ...]^T as [X B_1; ...] gives a map of the same norm. J_l is the
-    row-wise softmax Jacobian diag(p) - p p^T, self-adjoint."""
+    G A_l X^T + X A_l G^T, the change of head l's scores; right_l (n x k), multiplied out
+    (B, h, n, k) or its transpose as a ``ScoreFactor``: X B_l (``ScoreFactor(Wo^T, X Wv)``)
+    gives D_X itself, a factor R_l^T with the same Gram matrix [R_1^T; ...] [R_1^T; ...]^T as
+    [X B_1; ...] gives a map of the same norm. J_l is the row-wise softmax Jacobian
+    diag(p) - p p^T, self-adjoint."""
 
     def jacobian(E: Tensor) -> Tensor:
         weighted = probs * E
         return weighted - probs * weighted.sum(dim=-1, keepdim=True)
 
     def apply(G: Tensor) -> Tensor:
-        scores = _times(G, through_keys) + _times(G, through_queries).mT  # (B, h, n, n)
-        return torch.einsum("bhij,bhjk->bik", jacobian(scores), right) / scale
+        mixed = jacobian(_times(G, through_keys) + _times(G, through_queries).mT)  # (B, h, n, n)
+        if isinstance(right, ScoreFactor):  # sum_l M_l right_l = sum_l M_l (right_l^T)^T
+            return _times_transposed(mixed, right) / scale
+        return torch.einsum("bhij,bhjk->bik", mixed, right) / scale
 
     def adjoint(Z: Tensor) -> Tensor:
-        mixed = jacobian(torch.einsum("bik,bhjk->bhij", Z, right) / scale)
+        values = (_times(Z, right) if isinstance(right, ScoreFactor)  # Z right_l^T
+                  else torch.einsum("bik,bhjk->bhij", Z, right))
+        mixed = jacobian(values / scale)
         return _times_transposed(mixed, through_keys) + _times_transposed(mixed.mT,
                                                                           through_queries)
 
