@@ -28,7 +28,7 @@ from lofast.bounds.first_order import first_order_maps
 from lofast.bounds.krylov import LinearMap, power_iterate
 from lofast.bounds.near_reference import SOFTMAX_NEGLIGIBLE
 from lofast.bounds.softmax_terms import (
-    ScoreFactor,
+    FactoredProduct,
     probabilities_from_projections,
     score_factors,
     softmax_first_order_maps,
@@ -161,7 +161,7 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
                 or bool((softmax > SOFTMAX_NEGLIGIBLE * zeta).any())):
             norm, softmax_vector = estimated_norm(start[:, 1], *softmax_first_order_maps(
                 probs, *score_factors(x_query, x_key, query, key),
-                ScoreFactor(output.mT, x_value), w.scale))  # X B_l = (X Wv_l) Wo_l
+                FactoredProduct(output.mT, x_value), w.scale))  # X B_l = (X Wv_l) Wo_l
             softmax = torch.minimum(softmax, norm)
         else:
             softmax_vector = start[:, 1]

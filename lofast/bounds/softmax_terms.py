@@ -53,7 +53,7 @@ def softmax_first_order_norm(probs: Tensor, x_query: Tensor, x_key: Tensor, x_va
     stacked = x_value_out.reshape(batch, heads * n, d)
     factor = torch.linalg.qr(stacked.mT, mode="r").R.mT.reshape(batch, heads, n, -1)  # R^T
     k = factor.shape[-1]
-    through_keys, through_queries = (factor.materialised() for factor in  # (B, h, d, n)
+    through_keys, through_queries = (product.materialised() for product in  # (B, h, d, n)
                                      score_factors(x_query, x_key, query, key))
     left_error = torch.zeros(batch, dtype=torch.float64, device=probs.device)
     if 2 * heads * n < d:
@@ -86,12 +86,12 @@ def qr_backward_error(frobenius: Tensor, rows: int, columns: int) -> Tensor:
 
 
 @dataclass(frozen=True)
-class ScoreFactor:
-    """K_l = weight_l projected_l^T for every head l, not multiplied out: weight (h, m, dh),
-    shared by the batch, and projected (B, h, n, dh). ``softmax_first_order_maps`` then forms
-    G K_l as (G weight_l) projected_l^T: one (B n x m)(m x h dh) product for all heads and an
-    (n x dh)(dh x n) one per head, instead of an (n x m)(m x n) one per head with the (B, h, m,
-    n) K_l in memory (twice as fast for lofast-s on a CPU thread)."""
+class FactoredProduct:
+    """K_l = weight_l projected_l^T (m x n) for every head l, kept as its factors: weight
+    (h, m, dh), shared by the batch, and projected (B, h, n, dh). ``softmax_first_order_maps``
+    then forms G K_l as (G weight_l) projected_l^T: one (B n x m)(m x h dh) product for all
+    heads and an (n x dh)(dh x n) one per head, instead of an (n x m)(m x n) one per head with
+    the (B, h, m, n) K_l in memory (twice as fast for lofast-s on a CPU thread)."""
 
     weight: Tensor
     projected: Tensor
@@ -106,19 +106,19 @@ class ScoreFactor:
         return self.weight.permute(1, 0, 2).reshape(m, heads * dh)
 
 
-# K_l given multiplied out (B, h, m, n), or as its factors
-ScoreTerm = Tensor | ScoreFactor
+# per head an (m x n) matrix: multiplied out (B, h, m, n), or as its factors
+HeadMatrices = Tensor | FactoredProduct
 
 
 def score_factors(x_query: Tensor, x_key: Tensor, query: Tensor,
-                  key: Tensor) -> tuple[ScoreFactor, ScoreFactor]:
+                  key: Tensor) -> tuple[FactoredProduct, FactoredProduct]:
     """K_l = Wq_l (X Wk_l)^T and U_l = Wk_l (X Wq_l)^T (each d x n), from x_query, x_key
     (B, h, n, dh) and query, key (h, d, dh): the change of head l's scores is
     G A_l X^T + X A_l G^T = G K_l + (G U_l)^T."""
-    return ScoreFactor(query, x_key), ScoreFactor(key, x_query)
+    return FactoredProduct(query, x_key), FactoredProduct(key, x_query)
 
 
-def _times(G: Tensor, factor: ScoreTerm) -> Tensor:
+def _times(G: Tensor, factor: HeadMatrices) -> Tensor:
     """G K_l for G (B, n, m) and every head: (B, h, n, n)."""
     if isinstance(factor, Tensor):
         return G[:, None] @ factor
@@ -127,7 +127,7 @@ def _times(G: Tensor, factor: ScoreTerm) -> Tensor:
     return projected @ factor.projected.mT
 
 
-def _times_transposed(M: Tensor, factor: ScoreTerm) -> Tensor:
+def _times_transposed(M: Tensor, factor: HeadMatrices) -> Tensor:
     """sum_l M_l K_l^T for M (B, h, n, n): (B, n, m)."""
     if isinstance(factor, Tensor):
         return (M @ factor.mT).sum(dim=1)
@@ -156,18 +156,18 @@ def score_norm(x_score: Tensor, x_score_t: Tensor, method: SpectralMethod,
     return torch.cat(parts).reshape(batch, heads)
 
 
-def softmax_first_order_maps(probs: Tensor, through_keys: ScoreTerm,
-                             through_queries: ScoreTerm, right: ScoreTerm,
+def softmax_first_order_maps(probs: Tensor, through_keys: HeadMatrices,
+                             through_queries: HeadMatrices, right: HeadMatrices,
                              scale: float) -> tuple[LinearMap, LinearMap]:
     """G -> sum_l J_l(G K_l + (G U_l)^T) right_l / s (n x m -> n x k) and its adjoint.
 
     probs (B, h, n, n); through_keys K_l and through_queries U_l (each m x n, multiplied out
-    (B, h, m, n) or as a ``ScoreFactor``): with ``score_factors`` (m = d) G K_l + (G U_l)^T is
-    G A_l X^T + X A_l G^T, the change of head l's scores; right_l (n x k), multiplied out
-    (B, h, n, k) or its transpose as a ``ScoreFactor``: X B_l (``ScoreFactor(Wo^T, X Wv)``)
-    gives D_X itself, a factor R_l^T with the same Gram matrix [R_1^T; ...] [R_1^T; ...]^T as
-    [X B_1; ...] gives a map of the same norm. J_l is the row-wise softmax Jacobian
-    diag(p) - p p^T, self-adjoint."""
+    (B, h, m, n) or as a ``FactoredProduct``): with ``score_factors`` (m = d),
+    G K_l + (G U_l)^T is G A_l X^T + X A_l G^T, the change of head l's scores; right_l
+    (n x k), multiplied out (B, h, n, k) or its transpose as a ``FactoredProduct``: X B_l
+    (``FactoredProduct(Wo^T, X Wv)``) gives D_X itself, a factor R_l^T with the same Gram
+    matrix [R_1^T; ...] [R_1^T; ...]^T as [X B_1; ...] gives a map of the same norm. J_l is
+    the row-wise softmax Jacobian diag(p) - p p^T, self-adjoint."""
 
     def jacobian(E: Tensor) -> Tensor:
         weighted = probs * E
@@ -175,12 +175,12 @@ def softmax_first_order_maps(probs: Tensor, through_keys: ScoreTerm,
 
     def apply(G: Tensor) -> Tensor:
         mixed = jacobian(_times(G, through_keys) + _times(G, through_queries).mT)  # (B, h, n, n)
-        if isinstance(right, ScoreFactor):  # sum_l M_l right_l = sum_l M_l (right_l^T)^T
+        if isinstance(right, FactoredProduct):  # sum_l M_l right_l = sum_l M_l (right_l^T)^T
             return _times_transposed(mixed, right) / scale
         return torch.einsum("bhij,bhjk->bik", mixed, right) / scale
 
     def adjoint(Z: Tensor) -> Tensor:
-        values = (_times(Z, right) if isinstance(right, ScoreFactor)  # Z right_l^T
+        values = (_times(Z, right) if isinstance(right, FactoredProduct)  # Z right_l^T
                   else torch.einsum("bik,bhjk->bhij", Z, right))
         mixed = jacobian(values / scale)
         return _times_transposed(mixed, through_keys) + _times_transposed(mixed.mT,
