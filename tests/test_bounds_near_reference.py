@@ -242,6 +242,18 @@ def test_deflated_bounds_dominate_the_dense_norms(gain, biased, residual):
         assert (bound <= whole * (1 + 1e-4)).all(), (bound / whole)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_reference_norm_lies_within_its_slack_above_the_dense_norm(seed):
+    # ||T_R|| for a position bias's softmax R, verified once per block from a Lanczos estimate
+    n, d, h, dh = 17, 16, 4, 4
+    w = make_weights(h, d, dh, True, seed, bias_tokens=n)
+    R = w.reference_probabilities[None]
+    dense = torch.linalg.matrix_norm(materialised_operator(make_tokens(1, n, d, 1.0, seed), w, R),
+                                     ord=2)[0]
+    bound, _ = w.reference_first_order
+    assert dense <= bound <= dense * (1 + 3 * first_order.REFERENCE_SLACK)
+
+
 @pytest.mark.parametrize("biased", [True, False], ids=["position-bias", "uniform"])
 def test_verified_sensitivity_near_the_reference(monkeypatch, biased):
     # live attention near the reference: the Jacobian's norm by deflation, within 1e-3 of the
