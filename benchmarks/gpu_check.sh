@@ -26,15 +26,12 @@
 #   3. lofast train with TRAIN_ARGS until PASS_SECONDS (default 520) after the start of the
 #      pass (none when less than a minute of it is left: PASS_SECONDS=0 gives the figures
 #      only), resumed from STATE when given (OUT/train.safetensors, and its .state.pt for the
-#      next pass). The default TRAIN_ARGS: the shipped default's recipe (certified loss at eps
-#      0.15, float32 as on a CPU, no augmentation, batch 250: it divides the 50,000 images, so
-#      no smaller last batch compiles a second graph) at width 256, each step captured
-#      in CUDA graphs (--compile; without it if the compiled run fails), for as many epochs as
-#      the GPU gives (at batch 1024, eager: 44.95 % test accuracy after a whole 42-epoch
-#      schedule, 2,058 steps, against the default's 48.17 % after about 18,000 steps;
-#      lofast-live's reward recipe collapsed at the end of its radius ramp on the whole training
-#      set at batch 1024, on an H200 and on a CPU alike: docs/experiments.md, 2026-11-26); with
-#      INIT, the same recipe as a later stage of the default's: from INIT's weights and
+#      next pass). The default TRAIN_ARGS: the shipped default's recipe (lofast-s at depth 6
+#      and width 256 with position biases, certified loss at eps 0.15, float32, no
+#      augmentation, batch 250: it divides the 50,000 images, so no smaller last batch
+#      compiles a second graph), each step captured in CUDA graphs (--compile; without it if
+#      the compiled run fails), for as many epochs as fit; with INIT, a further stage of that
+#      recipe, as the default's stages 2-4 (checkpoints/README.md): from INIT's weights and
 #      architecture, the radius at 0.15 from the start, half an epoch of warm-up. A
 #      state over 15 MiB is written in parts of 15 MiB, as a file that comes back from the
 #      device may have at most 16 MiB. With EPOCHS=auto (the default; not with STATE) a
@@ -148,14 +145,15 @@ elif [ "$epochs" = auto ]; then
         train_args=${train_args/--compile/}
         probe_run
     fi
-    # 30 s for loading the data and the last write; 2 s an epoch for its test and state write
+    # 30 s for loading the data and the last write; 1 s an epoch for its test and state write
+    # (0.75 s with width 256's 42 MB state on an H100: 24 epochs of 7.7 s in 224 s, 2026-11-26)
     batch=$(grep -oE -- '--batch-size [0-9]+' <<< "$train_args" | grep -oE '[0-9]+$' || echo 256)
     left=$((pass_seconds - $(elapsed) - 30))
     epochs=$(python3 -c "import torch; h = torch.load('$probe/probe.safetensors.state.pt',
         weights_only=False)['history']; epoch = h[1]['seconds'] * 50000 / 12500
 graphs = 1 if 50000 % $batch == 0 and 12500 % $batch == 0 else 2
 compiling = graphs * max(0.0, h[0]['seconds'] - h[1]['seconds'])
-print(max(1, int(0.9 * ($left - compiling) / (epoch + 2))))")
+print(max(1, int(0.9 * ($left - compiling) / (epoch + 1))))")
     echo "probe: $(python3 -c "import torch; print(torch.load('$probe/probe.safetensors.state.pt',
         weights_only=False)['history'])"); $left s left: $epochs epochs"
 fi

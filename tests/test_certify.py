@@ -128,9 +128,9 @@ def test_verdicts_monotone_and_consistent_with_radius(certificate):
 def test_first_projection_bound_skips_the_class_token(monkeypatch):
     """The class token enters the first LayerProject unperturbed, so only the patch tokens' norms
     set its local factor. On the shipped defaults the class token has been the shortest there
-    (depth-6 lofast-s: norm 0.72, patches 2.3 to 6.2); on images whose patch tokens all lie
-    outside the ball, this
-    takes the factor from 1 to about 1/(r - eps). Checked against PGD on the projected tokens,
+    (width 128: norm 0.72, patches 2.3 to 6.2; width 256: 0.64, patches 3.1 to 6.8 on the first
+    30 bundled images); on images whose patch tokens all lie outside the ball, this takes the
+    factor from 1 to about 1/(r - eps). Checked against PGD on the projected tokens,
     which must stay below the bound and come close to it."""
     model = load_checkpoint(default_checkpoint_path())
     x, y = load_bundled_sample().subset(list(range(30))).to_tensors()
