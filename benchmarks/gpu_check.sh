@@ -9,9 +9,12 @@
 # bit: `lofast train --resume`). INIT=CHECKPOINT instead starts a new schedule from a trained
 # model (`lofast train --init`, the way the shipped default was trained, in stages).
 #
-# A slot of 15 minutes takes two calls: the training, `BENCH_BATCHES= COMPILE= bash ... DATA OUT`
-# (9 minutes), then the figures, `PASS_SECONDS=0 BENCH_BATCHES=1024 bash ... DATA OUT2` (about
-# 4, most of it compiling). The next slot resumes the training with OUT as STATE.
+# A slot of 15 minutes (the machine's start included) takes two or three calls. Training the
+# default on: `INIT=checkpoints/lofast-default.safetensors BENCH_BATCHES= COMPILE=
+# PASS_SECONDS=510 bash ... DATA OUT` (7 minutes on an H100), then shorter stages from
+# OUT/train.safetensors with EPOCHS=N and a smaller PASS_SECONDS while time is left (the
+# default's stages 2-4 were one slot, checkpoints/README.md). The figures alone:
+# `PASS_SECONDS=0 BENCH_BATCHES=1024 bash ... DATA OUT2` (about 4 minutes, most of it compiling).
 #
 #   1. benchmarks/bench_train.py on lofast-s: images/s of plain and certified steps at each
 #      batch size of BENCH_BATCHES (default "1024 4096"; OUT/bench_train_bB.json), and a
