@@ -16,7 +16,7 @@ from lofast.certificate import Certifier, CertifySettings
 from lofast.checkpoint import default_checkpoint_path, load_checkpoint
 from lofast.data.sample import load_bundled_sample
 from lofast.errors import CertificationError
-from lofast.models.layers import PatchEmbed
+from lofast.models.layers import SLL, PatchEmbed
 
 EPS = torch.tensor([0.02, 0.05, 0.1, 0.2], dtype=torch.float64)
 
@@ -198,6 +198,8 @@ def test_certifier_computes_the_capped_weights_once(trained, certificate, monkey
     monkeypatch.setattr(layers, "spectral_cap", lambda w, cap: caps.append(w) or w)
     held = certifier.certify(x, y)
     assert caps == []  # no SVD per batch: the copy holds its effective weights
+    rescaled = [s for s in certifier.model.stages if isinstance(s, SLL)]  # and SLL's t
+    assert rescaled and all(s.held_rescaling is not None for s in rescaled)
     assert torch.equal(held.margins, certificate.margins)
     assert torch.equal(held.radius(), certificate.radius())
 

@@ -415,6 +415,23 @@ def test_held_training_weights_equal_each_stages_own():
                                             for w in capped)
 
 
+def test_held_sll_rescaling_is_each_layers_own_until_released():
+    """A held model's SLL layers reuse t (their k x k Gram matrices) for the rest of a step,
+    with gradients through it, and compute it afresh once released."""
+    model = create_model(preset("tiny", depth=2), seed=0).double().train()
+    layers = [s for s in model.stages if isinstance(s, SLL)]
+    own = [s.rescaling() for s in layers]
+    with model.reusing_effective_weights():
+        with torch.no_grad():
+            layers[0].log_q[0] += 1.0  # held: t does not follow until released
+        for layer, t in zip(layers, own):
+            assert layer.rescaling() is layer.held_rescaling and torch.equal(layer.rescaling(), t)
+        model(torch.rand(2, 3, 32, 32, dtype=torch.float64)).sum().backward()
+    assert len(layers) == 2 and all(s.held_rescaling is None for s in layers)
+    assert all(s.log_q.grad is not None and s.log_q.grad.abs().sum() > 0 for s in layers)
+    assert not torch.allclose(layers[0].rescaling(), own[0])
+
+
 def test_batched_training_caps_match_one_at_a_time():
     """spectral_caps estimates a block's same-shaped weights in one batched call: each result
     is the weight capped with its own cap (a weight without a cap comes back unchanged), as

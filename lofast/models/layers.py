@@ -334,11 +334,24 @@ class SLL(nn.Module):
         self.bias = nn.Parameter(torch.zeros(hidden))
         self.log_q = nn.Parameter(torch.zeros(hidden))
 
+    # t held by ``hold_rescaling`` (weights fixed meanwhile), else None
+    held_rescaling = None
+
     def rescaling(self) -> Tensor:
-        """t (k,), computed in the weight's dtype."""
+        """t (k,), computed in the weight's dtype: the held one while held. The k x k Gram
+        matrix W^T W costs more than the layer itself on a batch of 16 (width 256, k 1024)."""
+        if self.held_rescaling is not None:
+            return self.held_rescaling
         q = torch.exp(self.log_q)
         gram = (self.weight.T @ self.weight).abs()
         return (gram * q[None, :] / q[:, None]).sum(dim=1) * (1.0 + SLL_SAFETY)
+
+    def hold_rescaling(self, hold: bool) -> None:
+        """hold=True: ``rescaling`` returns t as of now (differentiable in training mode, for
+        the rest of a step) until released; the weights must not change or move meanwhile."""
+        self.held_rescaling = None
+        if hold:
+            self.held_rescaling = self.rescaling()
 
     def forward(self, x: Tensor) -> Tensor:
         hidden = torch.relu(x @ self.weight + self.bias) / self.rescaling()

@@ -108,10 +108,14 @@ class LipschitzViT(nn.Module):
             self._reusing = False
 
     def hold_effective_weights(self, hold: bool) -> None:
-        """hold=True: from now on the capped stages reuse their current effective weights, for
-        a model whose weights stay fixed (the certifier's private copy); False releases them."""
+        """hold=True: from now on the capped stages reuse their current effective weights and
+        the SLL layers their rescaling, for a model whose weights stay fixed (the certifier's
+        private copy, a training step); False releases them."""
         hold_capped_weights([stage for stage in self.stages
                              if isinstance(stage, HoldsCappedWeights)], hold, self.training)
+        for stage in self.stages:
+            if isinstance(stage, SLL):
+                stage.hold_rescaling(hold)
 
     def structure(self, differentiable: bool = False) -> list[StageSpec]:
         """The specs of all stages, in forward order: detached float64 copies of the effective
