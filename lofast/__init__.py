@@ -5,7 +5,7 @@ torch:
 
     import lofast
 
-    run = lofast.certificate(eps=[0.02, 0.05], n=20)  # the shipped default, bundled test images
+    run = lofast.certify(eps=[0.02, 0.05], n=20)  # the shipped default, bundled test images
     print(run.summary.certified_accuracy)
 
 load_model, load_data, certify and Certification come from ``lofast.api``; Certifier and
