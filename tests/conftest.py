@@ -15,6 +15,20 @@ from lofast.models.vit import create_model
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: one core per worker process
     torch.set_num_threads(1)
 
+# Files of 10 s or more on one thread, longest first. `pytest -n N` hands whole files to the
+# workers in collection order (``--dist loadfile``, pyproject.toml), each to the first that is
+# free: with the long ones first, no worker is left with a long file when the others are done.
+LONG_FILES = ("test_certify.py", "test_distributed.py", "test_shipped_models.py",
+              "test_bounds_attention.py", "test_bab.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+
+    items.sort(key=rank)  # stable: the order within each file and among the rest is kept
+
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):

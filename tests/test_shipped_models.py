@@ -1,25 +1,46 @@
-"""CI guard: every checkpoint in checkpoints/reference.json keeps its figures on a fixed subset.
+"""Everything that runs the shipped checkpoints: the regression guard, the README's Python example
+and the API's records against the CLI's on the default. They share one file so that one worker
+of `pytest -n N` (``--dist loadfile``, pyproject.toml) proves each model's once-per-model bounds
+once (7 s for the default on one thread) and the rest reuse them
+(``certificate.shared_structure``).
 
-For each listed checkpoint: clean accuracy must match exactly, no certified accuracy may drop,
-and where an ``attention_ablation_drop`` is recorded (a checkpoint whose attention does work),
-replacing every block's attention by its mean over the subset must still cost at least that
-many points of clean accuracy, so that an accidental attention collapse fails CI. An
+Regression guard: for each checkpoint in checkpoints/reference.json, clean accuracy must match
+exactly on its fixed subset, no certified accuracy may drop, and where an
+``attention_ablation_drop`` is recorded (a checkpoint whose attention does work), replacing
+every block's attention by its mean over the subset must still cost at least that many points
+of clean accuracy, so that an accidental attention collapse fails CI. An
 intentional change (a new checkpoint, a tighter bound) updates checkpoints/reference.json in
 the same commit, with the reason in the message.
 """
 
 import json
+import re
+from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+import lofast
 from lofast.attention_report import attention_report
 from lofast.certificate import Certifier, CertifySettings
 from lofast.checkpoint import SHIPPED_DIR, load_checkpoint
+from lofast.cli.main import cli
 from lofast.data.sample import class_balanced_order, load_bundled_sample
 
 REFERENCE = json.loads((SHIPPED_DIR / "reference.json").read_text())
 CHECKPOINTS = sorted(REFERENCE["checkpoints"])
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_example() -> str:
+    """The indented code block of the README's "Python API" section."""
+    section = README.read_text().split("\n## Python API\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"^    \S.*(?:\n(?:    .*|[ ]*)$)*", section, flags=re.MULTILINE)
+    assert block, "the README's Python API section has no code block"
+    return "\n".join(line[4:] for line in block.group(0).splitlines())
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +98,29 @@ def test_every_shipped_checkpoint_loads_and_is_on_the_model_card():
         assert f"`{path.name}`" in card, f"{path.name} is not described in checkpoints/README.md"
         with torch.no_grad():
             assert torch.isfinite(load_checkpoint(path)(x)).all(), path.name
+
+
+def test_readme_example_runs_as_written(one_thread, capsys):
+    code = readme_example()
+    assert "import lofast" in code
+    exec(compile(code, str(README), "exec"), {})  # noqa: S102 - the README example, as written
+    assert capsys.readouterr().out.strip(), "the example prints its results"
+
+
+def test_api_gives_the_cli_records(one_thread, tmp_path):
+    """lofast.certify with no settings is `lofast certify` with no options, sample by sample."""
+    out = tmp_path / "run.jsonl"
+    result = CliRunner().invoke(cli, ["certify", "--eps", "0.05", "--eps", "36/255", "--n", "6",
+                                      "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    cli_records = [json.loads(line) for line in out.read_text().splitlines()]
+    run = lofast.certify(eps=[36 / 255, 0.05], n=6)
+    assert len(run.records) == len(cli_records) == 6
+    for mine, theirs in zip(run.records, cli_records):
+        mine = asdict(mine)
+        for key in ("seconds",):
+            mine.pop(key), theirs.pop(key)
+        assert mine == theirs
+    summary = json.loads(result.stdout)
+    assert run.summary.certified_accuracy == summary["certified_accuracy"]
+    assert run.summary.guarantee == summary["guarantee"]
