@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from lofast.bounds import attention, attention_spec, first_order, near_reference, softmax_terms
+from lofast.bounds import (
+    attention,
+    attention_spec,
+    coordinate_jacobian,
+    first_order,
+    near_reference,
+    softmax_terms,
+)
 from lofast.bounds.attention import (
     AttentionSensitivity,
     attention_forward,
@@ -670,6 +677,34 @@ def test_verified_zeta_takes_the_better_bound_per_sample(monkeypatch, deflated):
         assert lanczos_samples == {1: 6 + 3, VERIFIED.estimate_steps: 3}
 
 
+@pytest.mark.parametrize("biased", [False, True], ids=["uniform", "position-bias"])
+def test_probabilistic_zeta_runs_lanczos_only_away_from_the_reference(monkeypatch, biased):
+    # the probabilistic guarantee settles samples as the verified one does: a near-reference
+    # bound within the slack of the Rayleigh quotient at the reference's top vector is kept
+    # without Lanczos, so in a batch mixing attention near its reference (small tokens) and
+    # peaked attention (large ones) only the peaked samples get Lanczos; every zeta is an upper
+    # bound within the slack
+    n = 6 if biased else 5
+    w = with_score_gain(make_weights(3, 12, 4, True, seed=47, bias_tokens=n if biased else None),
+                        0.05)
+    X = torch.cat([make_tokens(3, n, 12, 0.1, seed=48), make_tokens(3, n, 12, 30.0, seed=49)])
+    exact = torch.linalg.matrix_norm(materialised_operator(X, w), ord=2)
+    lanczos_samples = []
+    real = first_order.first_order_norm
+
+    def counting(tokens, *args, **kwargs):
+        lanczos_samples.append(tokens.shape[0])
+        return real(tokens, *args, **kwargs)
+
+    for module in (attention, first_order):  # wherever a caller may find it
+        monkeypatch.setattr(module, "first_order_norm", counting)
+    result = attention_sensitivity(X, w, score_bound="relaxed", method=LANCZOS,
+                                   generator=torch.Generator().manual_seed(0))
+    assert result.guarantee is Guarantee.PROBABILISTIC
+    assert (result.zeta >= exact).all() and (result.zeta <= exact * (1 + 2 * SLACK)).all()
+    assert lanczos_samples == [3]
+
+
 # ---------------------------------------------------------------------------------------------
 # The second-order refinement: the softmax's first-order term by its exact operator norm.
 
@@ -1004,8 +1039,8 @@ def test_closed_form_zeta_for_coordinate_values(h, d, dv, residual):
     torch.testing.assert_close(values.scales, torch.full((h,), 0.42, dtype=torch.float64))
     X = make_tokens(4, 5, d, 1.0, seed=41)
     exact = torch.linalg.matrix_norm(materialised_operator(X, w), ord=2)
-    closed = first_order.coordinate_first_order_norm(attention_probabilities(X, w), values,
-                                                     residual)
+    closed = coordinate_jacobian.coordinate_first_order_norm(attention_probabilities(X, w),
+                                                             values, residual)
     assert (closed >= exact).all() and (closed <= exact * (1 + 1e-7)).all()
     zeta = attention_sensitivity(X, w, method=VERIFIED, score_bound="relaxed").zeta
     assert (zeta >= exact).all() and (zeta <= exact * (1 + 1e-7)).all()

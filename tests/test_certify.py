@@ -40,7 +40,7 @@ def trained_with_live_attention():
 @pytest.fixture(scope="module")
 def trained_with_coordinate_values():
     """As trained_with_live_attention in its first block, with Wv = Wo = I scaled to every
-    head's ||B_l|| = 0.5: zeta in closed form (``first_order.coordinate_first_order_norm``)."""
+    head's ||B_l|| = 0.5: zeta in closed form (``coordinate_jacobian.coordinate_first_order_norm``)."""
     model, x, y = train_tiny(position_bias=True, score_norm=8.0, query_key="identity",
                              value_output="identity", value_norm=0.5, live_blocks=1,
                              live_first=True)

@@ -309,7 +309,7 @@ def test_identity_value_output_and_live_first_fix_the_first_blocks_attention():
     assert report.heads[0].tv_mean > 1e-3 and report.heads[-1].tv_mean < report.heads[0].tv_mean
     assert (Certifier(model).certify(x[:2], model(x[:2]).argmax(dim=1)).radius() > 0).all()
     specs = [s for s in model.structure() if hasattr(s, "coordinate_values")]
-    assert specs[0].coordinate_values is not None  # zeta in closed form (bounds.first_order)
+    assert specs[0].coordinate_values is not None  # zeta in closed form (bounds.coordinate_jacobian)
     assert all(spec.coordinate_values is None for spec in specs[1:])
     with pytest.raises(LofastError, match="live_first must be true or false"):
         preset("tiny", live_first="yes")

@@ -108,14 +108,14 @@ import torch
 from torch import Tensor
 
 from lofast.bounds.attention_spec import AttentionSpec
-from lofast.bounds.coordinate_jacobian import coordinate_jacobian_norm
+from lofast.bounds.coordinate_jacobian import coordinate_first_order_norm, coordinate_jacobian_norm
 from lofast.bounds.first_order import (
     as_float64,
-    coordinate_first_order_norm,
     first_order_factors,
     first_order_norm,
     mix_heads,
     near_reference_first_order_bound,
+    probabilistic_first_order_norm,
     reference_deviation_norms,
     verified_first_order_norm,
 )
@@ -358,6 +358,12 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
         elif method.kind == "verified":
             zeta = verified_first_order_norm(
                 probs, first_order_factors(value, output, w.residual), method, known=near,
+                along=None if reference_direction is None else reference_direction.to(device))
+        elif method.kind == "lanczos":
+            zeta = probabilistic_first_order_norm(
+                X, probs, w.first_order_factors if same_device
+                else first_order_factors(value, output, w.residual), value, output, w.residual,
+                method, generator, known=near,
                 along=None if reference_direction is None else reference_direction.to(device))
         else:
             zeta = torch.minimum(near, first_order_norm(X, probs, value, output, w.residual,

@@ -17,13 +17,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lofast.bounds.coordinate_jacobian import CoordinateAttention, coordinate_attention
+from lofast.bounds.coordinate_jacobian import (
+    CoordinateAttention,
+    CoordinateValues,
+    coordinate_attention,
+    coordinate_values,
+)
 from lofast.bounds.deflation import LARGE_DEFLATION, Deflation, deflate_gram
 from lofast.bounds.first_order import (
-    CoordinateValues,
     FirstOrderFactors,
     as_float64,
-    coordinate_values,
     first_order_factors,
     first_order_gram,
     first_order_negated_gram,
@@ -122,7 +125,7 @@ class AttentionSpec:
     @functools.cached_property
     def coordinate_values(self) -> CoordinateValues | None:
         """The value paths' structure when each is a scaled projection on the head's own
-        coordinates (``first_order.coordinate_values``): zeta then has a closed form."""
+        coordinates (``coordinate_jacobian.coordinate_values``): zeta then has a closed form."""
         return coordinate_values(as_float64(self.value), as_float64(self.output))
 
     @functools.cached_property

@@ -1,5 +1,7 @@
-"""The Jacobian of an attention block whose scores and values act on each head's own coordinates
-(ours): its norm from one small operator per head and sample.
+"""Attention blocks whose values, or scores and values, act on each head's own coordinates
+(``value_output=identity``, ``query_key=identity``): zeta in closed form from h (n x n) norms
+(``coordinate_first_order_norm``), and the block's whole Jacobian from one small operator per
+head and sample (ours; below).
 
 Setting (``query_key=identity`` with ``value_output=identity``): A_l = Wq_l Wk_l^T = g_l Pi_l and
 B_l = Wv_l Wo_l = c_l Pi_l, Pi_l = Q_l Q_l^T the projection on head l's coordinates S_l (columns
@@ -19,7 +21,7 @@ range(Q), while F^_l(H Q^T) = L_l(H) Q^T with
     L_l(H) = r H + c_l P_l H + k_l J_l(H R + R^T H^T) R^T     (n x m -> n x m).
 The two parts are orthogonal and ||H Q^T||_F = ||H||_F, hence
     ||F^_l|| = max(||L_l||, ||(r I + c_l P_l) on W||) <= max(||L_l||, ||r I + c_l P_l||),
-and the second is at most zeta (``first_order.coordinate_first_order_norm``). L_l is an
+and the second is at most zeta (``coordinate_first_order_norm``). L_l is an
 (n m x n m) operator: 289 x 289 for one head of width 128 on 17 tokens, where T_X + D_X is
 2176 x 2176; its norm is taken with the caller's spectral method.
 
@@ -41,10 +43,68 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lofast.bounds.first_order import CoordinateValues
 from lofast.bounds.softmax_terms import qr_backward_error, softmax_first_order_maps
-from lofast.bounds.spectral import SpectralMethod, operator_norm
+from lofast.bounds.spectral import SpectralMethod, matrix_norm_upper, operator_norm
 from lofast.bounds.verified import gamma
+
+
+@dataclass(frozen=True)
+class CoordinateValues:
+    """Value paths B_l = Wv_l Wo_l = b_l Q_l Q_l^T with Q_l (d, dv) distinct columns of the
+    identity, the heads' columns disjoint (``value_output=identity``: head l's own coordinates).
+    scales: (h,) fl(b_l); coordinates: (h, dv) int64, head l's coordinates (the columns of
+    Q_l); covers: whether the heads' coordinates are all d of them."""
+
+    scales: Tensor
+    coordinates: Tensor
+    covers: bool
+
+
+def coordinate_values(value: Tensor, output: Tensor) -> CoordinateValues | None:
+    """The structure above if the float64 factors value (h, d, dv), output (h, dv, d) have it
+    exactly (checked on the factors, not on a rounded product): column j of Wv_l holds one
+    nonzero entry alpha_l, in a row r_l(j) that no other column of any head uses, and row j of
+    Wo_l one nonzero entry beta_l, in column r_l(j). Then B_l = alpha_l beta_l Q_l Q_l^T in
+    exact arithmetic. None otherwise."""
+    heads, d, dv = value.shape
+    value_nonzero, output_nonzero = value != 0, output != 0
+    if not (bool((value_nonzero.sum(dim=1) == 1).all())
+            and bool((output_nonzero.sum(dim=2) == 1).all())):
+        return None
+    rows = value_nonzero.to(torch.int64).argmax(dim=1)  # (h, dv) r_l(j)
+    if not bool((output_nonzero.to(torch.int64).argmax(dim=2) == rows).all()):
+        return None
+    if rows.flatten().unique().numel() != heads * dv:
+        return None
+    alpha = value.gather(1, rows[:, None, :])[:, 0]  # (h, dv)
+    beta = output.gather(2, rows[:, :, None])[..., 0]
+    if not (bool((alpha == alpha[:, :1]).all()) and bool((beta == beta[:, :1]).all())):
+        return None
+    return CoordinateValues(scales=alpha[:, 0] * beta[:, 0], coordinates=rows,
+                            covers=heads * dv == d)
+
+
+def coordinate_first_order_norm(probs: Tensor, values: CoordinateValues,
+                                residual: bool) -> Tensor:
+    """||T_X|| (B,), a deterministic upper bound within rounding of the exact value, for value
+    paths with ``coordinate_values``' structure. T_X(G) = r G + sum_l b_l P_l G Q_l Q_l^T maps
+    the columns of G in head l's coordinates by M_l = r I + b_l P_l and any other columns by r,
+    independently, so ||T_X|| = max(max_l ||M_l||, r if some coordinate is no head's): h norms
+    of (n, n) matrices per sample. probs (B, h, n, n) float64.
+
+    Rounding: the computed M_l differs from r I + b_l P_l (b_l = alpha_l beta_l exactly, its
+    float64 product off by u |b_l|) by at most 3u (r + |fl(b_l)| p_ij) per entry, whose
+    Frobenius norm is at most gamma_3 sqrt(n) (r + |fl(b_l)|) (||P_l||_F <= sqrt(n): every row
+    of P_l has norm <= 1)."""
+    n = probs.shape[-1]
+    r = 1.0 if residual else 0.0
+    scales = values.scales.to(probs.device)
+    mixed = scales[:, None, None] * probs  # (B, h, n, n)
+    if residual:
+        mixed = mixed + torch.eye(n, dtype=torch.float64, device=probs.device)
+    rounding = gamma(3) * math.sqrt(n) * (r + scales.abs()) * (1.0 + 2.0 ** -30)
+    norms = (matrix_norm_upper(mixed) + rounding).amax(dim=1)
+    return norms if values.covers else torch.clamp(norms, min=r)
 
 
 @dataclass(frozen=True)
@@ -61,7 +121,7 @@ class CoordinateAttention:
 
 def coordinate_attention(scores: CoordinateValues | None,
                          values: CoordinateValues | None) -> CoordinateAttention | None:
-    """The structure above when ``first_order.coordinate_values`` found it for the score factors
+    """The structure above when ``coordinate_values`` found it for the score factors
     (Wq_l, Wk_l^T) and the value factors (Wv_l, Wo_l) on the same coordinates; None otherwise."""
     if scores is None or values is None:
         return None

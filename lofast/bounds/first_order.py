@@ -87,6 +87,41 @@ def first_order_norm(X: Tensor, probs: Tensor, value: Tensor, output: Tensor, re
     return torch.cat(parts)
 
 
+def probabilistic_first_order_norm(X: Tensor, probs: Tensor, f: FirstOrderFactors,
+                                   value: Tensor, output: Tensor, residual: bool,
+                                   method: SpectralMethod, generator: torch.Generator | None,
+                                   known: Tensor, along: Tensor | None = None) -> Tensor:
+    """min(known, ``first_order_norm``) per sample (B,) for a Lanczos ``method``, without
+    Lanczos where ``known`` (B,), an upper bound on zeta (as ``near_reference_first_order_bound``)
+    already lies within (1 + relative_slack) of the Rayleigh quotient estimate at ``along``
+    (``verified_first_order_norm``'s first check): known is then within the slack of the exact
+    zeta, as close as the Lanczos bound is made to come. Near the reference (every sample of a
+    model whose attention is its position biases' fixed mixing) that is every sample: 286
+    Lanczos steps per sample and block at width 256 saved. f: ``first_order_factors(value,
+    output, residual)``."""
+    todo = ~_within_slack(known, first_order_estimate(probs, f, _along(f, probs, along), 1), f,
+                          method.relative_slack)
+    zeta = known.clone()
+    if bool(todo.any()):
+        zeta[todo] = torch.minimum(known[todo], first_order_norm(
+            X[todo], probs[todo], value, output, residual, method, generator))
+    return zeta
+
+
+def _along(f: FirstOrderFactors, probs: Tensor, along: Tensor | None) -> Tensor:
+    """The unit vector (n d,) for the Rayleigh quotient check: ``along``, or 1_n (x) v / sqrt(n)
+    (row-major vec) with v = f.direction."""
+    n = probs.shape[-1]
+    return along if along is not None else (f.direction / math.sqrt(n)).repeat(n)
+
+
+def _within_slack(known: Tensor, estimate: Tensor, f: FirstOrderFactors,
+                  relative_slack: float) -> Tensor:
+    """(B,) bool: known <= (1 + relative_slack) sqrt(estimate) f.unit, for an estimate (B,)
+    from below of lambda_max(T'^T T') (False where it is NaN)."""
+    return known <= estimate.clamp_min(0.0).sqrt() * (1.0 + relative_slack) * f.unit
+
+
 def first_order_maps(probs: Tensor, value: Tensor, output: Tensor,
                      residual: bool) -> tuple[LinearMap, LinearMap]:
     """T_X(G) = H G + sum_l P_l G Wv_l Wo_l and its adjoint
@@ -240,8 +275,7 @@ def verified_first_order_norm(probs: Tensor, f: FirstOrderFactors, method: Spect
     budget = VERIFIED_CPU_ELEMENTS if probs.device.type == "cpu" else DEVICE_WORKSPACE_ELEMENTS
     size = min(batch, max(1, budget // (3 * dim * dim + method.estimate_steps * dim)))
     noise = fixed_unit_vector(dim, probs.device)
-    if along is None:
-        along = (f.direction / math.sqrt(n)).repeat(n)  # 1_n (x) v / sqrt(n), row-major vec
+    along = _along(f, probs, along)
     start = along + START_NOISE * noise
     start = start / torch.linalg.vector_norm(start)
     workspace = torch.empty(size, dim, dim, dtype=torch.float64, device=probs.device)
@@ -254,9 +288,8 @@ def verified_first_order_norm(probs: Tensor, f: FirstOrderFactors, method: Spect
             if len(todo) == 0:
                 break
             estimate = first_order_estimate(p[todo], f, vector, steps)
-            # the first bound the verification would try (in units of f.unit); NaN: verify
-            tried = estimate.clamp_min(0.0).sqrt() * (1.0 + method.relative_slack)
-            unsettled = ~(chunk[todo] <= tried * f.unit)
+            # at most the first bound the verification would try; NaN: verify
+            unsettled = ~_within_slack(chunk[todo], estimate, f, method.relative_slack)
             todo, estimate = todo[unsettled], estimate[unsettled]
         if len(todo) == 0:
             continue
@@ -283,65 +316,6 @@ def uniform_mix_norm(value: Tensor, output: Tensor, residual: bool) -> Tensor:
     rounding = (gamma(heads * dv + 1) * torch.linalg.vector_norm(wide)
                 * torch.linalg.vector_norm(tall) * (1.0 + 2.0 ** -30))
     return matrix_norm_upper(mixed) + rounding
-
-
-@dataclass(frozen=True)
-class CoordinateValues:
-    """Value paths B_l = Wv_l Wo_l = b_l Q_l Q_l^T with Q_l (d, dv) distinct columns of the
-    identity, the heads' columns disjoint (``value_output=identity``: head l's own coordinates).
-    scales: (h,) fl(b_l); coordinates: (h, dv) int64, head l's coordinates (the columns of
-    Q_l); covers: whether the heads' coordinates are all d of them."""
-
-    scales: Tensor
-    coordinates: Tensor
-    covers: bool
-
-
-def coordinate_values(value: Tensor, output: Tensor) -> CoordinateValues | None:
-    """The structure above if the float64 factors value (h, d, dv), output (h, dv, d) have it
-    exactly (checked on the factors, not on a rounded product): column j of Wv_l holds one
-    nonzero entry alpha_l, in a row r_l(j) that no other column of any head uses, and row j of
-    Wo_l one nonzero entry beta_l, in column r_l(j). Then B_l = alpha_l beta_l Q_l Q_l^T in
-    exact arithmetic. None otherwise."""
-    heads, d, dv = value.shape
-    value_nonzero, output_nonzero = value != 0, output != 0
-    if not (bool((value_nonzero.sum(dim=1) == 1).all())
-            and bool((output_nonzero.sum(dim=2) == 1).all())):
-        return None
-    rows = value_nonzero.to(torch.int64).argmax(dim=1)  # (h, dv) r_l(j)
-    if not bool((output_nonzero.to(torch.int64).argmax(dim=2) == rows).all()):
-        return None
-    if rows.flatten().unique().numel() != heads * dv:
-        return None
-    alpha = value.gather(1, rows[:, None, :])[:, 0]  # (h, dv)
-    beta = output.gather(2, rows[:, :, None])[..., 0]
-    if not (bool((alpha == alpha[:, :1]).all()) and bool((beta == beta[:, :1]).all())):
-        return None
-    return CoordinateValues(scales=alpha[:, 0] * beta[:, 0], coordinates=rows,
-                            covers=heads * dv == d)
-
-
-def coordinate_first_order_norm(probs: Tensor, values: CoordinateValues,
-                                residual: bool) -> Tensor:
-    """||T_X|| (B,), a deterministic upper bound within rounding of the exact value, for value
-    paths with ``coordinate_values``' structure. T_X(G) = r G + sum_l b_l P_l G Q_l Q_l^T maps
-    the columns of G in head l's coordinates by M_l = r I + b_l P_l and any other columns by r,
-    independently, so ||T_X|| = max(max_l ||M_l||, r if some coordinate is no head's): h norms
-    of (n, n) matrices per sample. probs (B, h, n, n) float64.
-
-    Rounding: the computed M_l differs from r I + b_l P_l (b_l = alpha_l beta_l exactly, its
-    float64 product off by u |b_l|) by at most 3u (r + |fl(b_l)| p_ij) per entry, whose
-    Frobenius norm is at most gamma_3 sqrt(n) (r + |fl(b_l)|) (||P_l||_F <= sqrt(n): every row
-    of P_l has norm <= 1)."""
-    n = probs.shape[-1]
-    r = 1.0 if residual else 0.0
-    scales = values.scales.to(probs.device)
-    mixed = scales[:, None, None] * probs  # (B, h, n, n)
-    if residual:
-        mixed = mixed + torch.eye(n, dtype=torch.float64, device=probs.device)
-    rounding = gamma(3) * math.sqrt(n) * (r + scales.abs()) * (1.0 + 2.0 ** -30)
-    norms = (matrix_norm_upper(mixed) + rounding).amax(dim=1)
-    return norms if values.covers else torch.clamp(norms, min=r)
 
 
 def near_reference_first_order_bound(probs: Tensor, reference: Tensor | None,
