@@ -605,6 +605,21 @@ def test_a_wrong_reference_norm_is_caught():
     assert (low < exact).all()
 
 
+def count_batch_sizes(monkeypatch, modules, name: str) -> list[int]:
+    """Replaces ``name`` in each of ``modules`` (the last one defines it) by a wrapper that
+    records the batch size (the first argument's length) of every call: the list returned."""
+    sizes = []
+    real = getattr(modules[-1], name)
+
+    def counting(first, *args, **kwargs):
+        sizes.append(first.shape[0])
+        return real(first, *args, **kwargs)
+
+    for module in modules:
+        monkeypatch.setattr(module, name, counting)
+    return sizes
+
+
 @pytest.mark.parametrize("biased", [False, True], ids=["uniform", "position-bias"])
 def test_verified_zeta_skips_the_gram_near_the_reference(monkeypatch, biased):
     # near-uniform attention, or attention near softmax(C_l): the Rayleigh quotient at the
@@ -642,13 +657,8 @@ def test_verified_zeta_takes_the_better_bound_per_sample(monkeypatch, deflated):
     w = with_score_gain(make_weights(3, 12, 4, True, seed=47), 0.05)
     X = torch.cat([make_tokens(3, 5, 12, 0.1, seed=48), make_tokens(3, 5, 12, 30.0, seed=49)])
     exact = torch.linalg.matrix_norm(materialised_operator(X, w), ord=2)
-    sizes = []
-    real = first_order.first_order_negated_gram
-
-    def counting(probs, *args, **kwargs):
-        sizes.append(probs.shape[0])
-        return real(probs, *args, **kwargs)
-
+    # both call it
+    sizes = count_batch_sizes(monkeypatch, (attention_spec, first_order), "first_order_negated_gram")
     lanczos_samples = {}
     real_lanczos = first_order.lanczos_ritz
 
@@ -661,8 +671,6 @@ def test_verified_zeta_takes_the_better_bound_per_sample(monkeypatch, deflated):
         return (torch.full((batch,), math.inf, dtype=torch.float64),
                 torch.zeros(batch, dtype=torch.float64))
 
-    for module in (attention_spec, first_order):  # both call it
-        monkeypatch.setattr(module, "first_order_negated_gram", counting)
     monkeypatch.setattr(first_order, "lanczos_ritz", counting_lanczos)
     if not deflated:
         monkeypatch.setattr(near_reference, "deflated_first_order_bound", useless)
@@ -689,15 +697,7 @@ def test_probabilistic_zeta_runs_lanczos_only_away_from_the_reference(monkeypatc
                         0.05)
     X = torch.cat([make_tokens(3, n, 12, 0.1, seed=48), make_tokens(3, n, 12, 30.0, seed=49)])
     exact = torch.linalg.matrix_norm(materialised_operator(X, w), ord=2)
-    lanczos_samples = []
-    real = first_order.first_order_norm
-
-    def counting(tokens, *args, **kwargs):
-        lanczos_samples.append(tokens.shape[0])
-        return real(tokens, *args, **kwargs)
-
-    for module in (attention, first_order):  # wherever a caller may find it
-        monkeypatch.setattr(module, "first_order_norm", counting)
+    lanczos_samples = count_batch_sizes(monkeypatch, (attention, first_order), "first_order_norm")
     result = attention_sensitivity(X, w, score_bound="relaxed", method=LANCZOS,
                                    generator=torch.Generator().manual_seed(0))
     assert result.guarantee is Guarantee.PROBABILISTIC
