@@ -657,8 +657,8 @@ def test_verified_zeta_takes_the_better_bound_per_sample(monkeypatch, deflated):
     w = with_score_gain(make_weights(3, 12, 4, True, seed=47), 0.05)
     X = torch.cat([make_tokens(3, 5, 12, 0.1, seed=48), make_tokens(3, 5, 12, 30.0, seed=49)])
     exact = torch.linalg.matrix_norm(materialised_operator(X, w), ord=2)
-    # both call it
-    sizes = count_batch_sizes(monkeypatch, (attention_spec, first_order), "first_order_negated_gram")
+    sizes = count_batch_sizes(monkeypatch, (attention_spec, first_order),  # both call it
+                              "first_order_negated_gram")
     lanczos_samples = {}
     real_lanczos = first_order.lanczos_ritz
 
