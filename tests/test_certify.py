@@ -234,16 +234,17 @@ def test_probabilistic_and_exact_agree(trained):
     assert exact.guarantee is Guarantee.EXACT and exact.failure_probability == 0
     assert prob.guarantee is Guarantee.PROBABILISTIC and 0 < prob.failure_probability <= 1e-7
     a, b = exact.feature_radius(EPS), prob.feature_radius(EPS)
-    assert (b >= a * (1 - 1e-12)).all()
-    assert (b <= a * (1 + 5e-3)).all()
     verified = Certifier(model, CertifySettings(method=SpectralMethod(kind="verified")))
     c = verified.certify(x, y)
     assert c.guarantee is Guarantee.EXACT and c.failure_probability == 0
     v = c.feature_radius(EPS)
-    # the verified method also bounds the norm of each block's Jacobian T_X + D_X directly
-    # (bounds.near_reference), below the dense method's zeta + ||D_X||; PGD checks soundness
-    assert (v >= a * 0.9).all()
-    assert (v <= a * (1 + 5e-3)).all()
+    # the verified and Lanczos methods also bound the norm of each block's Jacobian T_X + D_X
+    # directly (bounds.near_reference), below the dense method's zeta + ||D_X||; they differ
+    # only where that bound is loose (Cholesky proof or Lanczos); PGD checks soundness
+    for bound in (v, b):
+        assert (bound >= a * 0.9).all()
+        assert (bound <= a * (1 + 5e-3)).all()
+    assert ((b - v).abs() <= 5e-3 * v).all()
 
 
 def test_estimate_mode_is_labelled(trained):

@@ -79,19 +79,19 @@ without one. U is a symmetric projection, and T_U(G) = [H G + U G B] with B = su
 the orthogonal parts U G and (I - U) G of G to orthogonal parts, U G (H + B) and H (I - U) G,
 so ||T_U|| = max(||H||, ||H + B||) in closed form. Near the reference the bound is within
 sum_l ||E_l|| ||B_l|| of zeta (zeta >= ||T_R|| - sum_l ||E_l|| ||B_l||);
-``attention_sensitivity`` uses it wherever it is within the verified method's slack of the
-Lanczos estimate, and the minimum of both elsewhere.
+``attention_sensitivity`` uses it wherever it is within the method's slack of the Rayleigh
+quotient at T_R's top vector (verified and Lanczos methods), and the minimum of both elsewhere.
 
 Live attention near the reference (ours; ``bounds.near_reference`` and ``bounds.deflation``).
-When the scores depend on the input, the verified method bounds the first-order operator of the
-refined bound, the block's Jacobian T_X + D_X, directly: ||T_X + D_X - T_R|| is at most the
-head-structured deviation (a maximum over heads, not a sum) plus a cheap bound on ||D_X||, and
-with T_R's top right singular subspace and a Cholesky-verified bound on the rest (both once per
-block), k products with the Jacobian and k with its adjoint per sample bound its norm up to a
-term of second order in that deviation. The refinement's first-order coefficient is then the
-smaller of zeta + zeta_s and this bound (``AttentionSensitivity.jacobian``); the Gram matrices
-of zeta and of D_X are formed only for samples where the bound is not within JACOBIAN_SLACK of
-its Rayleigh-Ritz estimate. When scores and values both act on the heads' own coordinates
+When the scores depend on the input, the verified and Lanczos methods bound the first-order
+operator of the refined bound, the block's Jacobian T_X + D_X, directly: ||T_X + D_X - T_R|| is
+at most the head-structured deviation (a maximum over heads, not a sum) plus a cheap bound on
+||D_X||, and with T_R's top right singular subspace and a Cholesky-verified bound on the rest
+(both once per block), k products with the Jacobian and k with its adjoint per sample bound its
+norm up to a term of second order in that deviation. The refinement's first-order coefficient is
+then the smaller of zeta + zeta_s and this bound (``AttentionSensitivity.jacobian``); the
+method's own norms of zeta and of D_X (Gram matrices, Lanczos) are computed only for samples
+where the bound is not within JACOBIAN_SLACK of its Rayleigh-Ritz estimate. When scores and values both act on the heads' own coordinates
 (``AttentionSpec.coordinate_attention``), the Jacobian's norm comes from one small operator per
 head and sample instead (``bounds.coordinate_jacobian``).
 
@@ -115,13 +115,12 @@ from lofast.bounds.first_order import (
     first_order_norm,
     mix_heads,
     near_reference_first_order_bound,
-    probabilistic_first_order_norm,
     reference_deviation_norms,
     verified_first_order_norm,
 )
 from lofast.bounds.near_reference import (
     SOFTMAX_NEGLIGIBLE,
-    verified_near_reference,
+    near_reference_bounds,
 )
 from lofast.bounds.softmax_terms import (
     probabilities_from_projections,
@@ -347,23 +346,17 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
             near = torch.minimum(near, coordinate_first_order_norm(probs, closed_form,
                                                                    w.residual))
         coordinates = w.coordinate_attention if softmax is not None else None
-        if method.kind == "verified" and same_device:
+        if method.kind in ("verified", "lanczos") and same_device:
             # (for coordinate blocks zeta only: their Jacobian's norm follows below)
-            zeta, refined, jacobian = verified_near_reference(
+            zeta, refined, jacobian = near_reference_bounds(
                 X, probs, x_query, x_key, x_value, x_value_out, score, w, method, near,
                 deviation, softmax if coordinates is None else None,
-                zeta_is_tight=closed_form is not None)
+                zeta_is_tight=closed_form is not None, generator=generator)
             if coordinates is None:
                 softmax = refined
         elif method.kind == "verified":
             zeta = verified_first_order_norm(
                 probs, first_order_factors(value, output, w.residual), method, known=near,
-                along=None if reference_direction is None else reference_direction.to(device))
-        elif method.kind == "lanczos":
-            zeta = probabilistic_first_order_norm(
-                X, probs, w.first_order_factors if same_device
-                else first_order_factors(value, output, w.residual), value, output, w.residual,
-                method, generator, known=near,
                 along=None if reference_direction is None else reference_direction.to(device))
         else:
             zeta = torch.minimum(near, first_order_norm(X, probs, value, output, w.residual,

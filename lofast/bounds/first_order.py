@@ -87,38 +87,18 @@ def first_order_norm(X: Tensor, probs: Tensor, value: Tensor, output: Tensor, re
     return torch.cat(parts)
 
 
-def probabilistic_first_order_norm(X: Tensor, probs: Tensor, f: FirstOrderFactors,
-                                   value: Tensor, output: Tensor, residual: bool,
-                                   method: SpectralMethod, generator: torch.Generator | None,
-                                   known: Tensor, along: Tensor | None = None) -> Tensor:
-    """min(known, ``first_order_norm``) per sample (B,) for a Lanczos ``method``, without
-    Lanczos where ``known`` (B,), an upper bound on zeta (as ``near_reference_first_order_bound``)
-    already lies within (1 + relative_slack) of the Rayleigh quotient estimate at ``along``
-    (``verified_first_order_norm``'s first check): known is then within the slack of the exact
-    zeta, as close as the Lanczos bound is made to come. Near the reference (every sample of a
-    model whose attention is its position biases' fixed mixing) that is every sample: 286
-    Lanczos steps per sample and block at width 256 saved. f: ``first_order_factors(value,
-    output, residual)``."""
-    todo = ~_within_slack(known, first_order_estimate(probs, f, _along(f, probs, along), 1), f,
-                          method.relative_slack)
-    zeta = known.clone()
-    if bool(todo.any()):
-        zeta[todo] = torch.minimum(known[todo], first_order_norm(
-            X[todo], probs[todo], value, output, residual, method, generator))
-    return zeta
-
-
-def _along(f: FirstOrderFactors, probs: Tensor, along: Tensor | None) -> Tensor:
+def along_or_default(f: FirstOrderFactors, probs: Tensor, along: Tensor | None) -> Tensor:
     """The unit vector (n d,) for the Rayleigh quotient check: ``along``, or 1_n (x) v / sqrt(n)
     (row-major vec) with v = f.direction."""
     n = probs.shape[-1]
     return along if along is not None else (f.direction / math.sqrt(n)).repeat(n)
 
 
-def _within_slack(known: Tensor, estimate: Tensor, f: FirstOrderFactors,
-                  relative_slack: float) -> Tensor:
+def within_slack(known: Tensor, estimate: Tensor, f: FirstOrderFactors,
+                 relative_slack: float) -> Tensor:
     """(B,) bool: known <= (1 + relative_slack) sqrt(estimate) f.unit, for an estimate (B,)
-    from below of lambda_max(T'^T T') (False where it is NaN)."""
+    from below of lambda_max(T'^T T') (False where it is NaN): an upper bound ``known`` on
+    zeta that is already as close as a computed norm is made to come."""
     return known <= estimate.clamp_min(0.0).sqrt() * (1.0 + relative_slack) * f.unit
 
 
@@ -275,7 +255,7 @@ def verified_first_order_norm(probs: Tensor, f: FirstOrderFactors, method: Spect
     budget = VERIFIED_CPU_ELEMENTS if probs.device.type == "cpu" else DEVICE_WORKSPACE_ELEMENTS
     size = min(batch, max(1, budget // (3 * dim * dim + method.estimate_steps * dim)))
     noise = fixed_unit_vector(dim, probs.device)
-    along = _along(f, probs, along)
+    along = along_or_default(f, probs, along)
     start = along + START_NOISE * noise
     start = start / torch.linalg.vector_norm(start)
     workspace = torch.empty(size, dim, dim, dtype=torch.float64, device=probs.device)
@@ -289,7 +269,7 @@ def verified_first_order_norm(probs: Tensor, f: FirstOrderFactors, method: Spect
                 break
             estimate = first_order_estimate(p[todo], f, vector, steps)
             # at most the first bound the verification would try; NaN: verify
-            unsettled = ~_within_slack(chunk[todo], estimate, f, method.relative_slack)
+            unsettled = ~within_slack(chunk[todo], estimate, f, method.relative_slack)
             todo, estimate = todo[unsettled], estimate[unsettled]
         if len(todo) == 0:
             continue

@@ -44,7 +44,6 @@ bounds (``jacobian_rounding``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -53,9 +52,12 @@ from torch import Tensor
 from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.deflation import LARGE_DEFLATION, Deflation, deflated_norm_bound
 from lofast.bounds.first_order import (
+    along_or_default,
     as_float64,
     first_order_estimate,
+    first_order_norm,
     verified_first_order_norm,
+    within_slack,
 )
 from lofast.bounds.softmax_terms import softmax_first_order_norm
 from lofast.bounds.spectral import SpectralMethod, matrix_norm_upper
@@ -65,9 +67,10 @@ from lofast.bounds.verified import gamma
 # fraction of zeta (below it, the refinement could change the bound by less than that fraction).
 SOFTMAX_NEGLIGIBLE = 1e-3
 
-# The verified method keeps the deflated bound on the Jacobian's norm (``near_reference``) where
-# it is within this relative slack of its Rayleigh-Ritz estimate, a lower estimate of that norm,
-# which is at most zeta + ||D_X||; elsewhere it computes both of those with Gram matrices.
+# The verified and Lanczos methods keep the deflated bound on the Jacobian's norm
+# (``near_reference``) where it is within this relative slack of its Rayleigh-Ritz estimate, a
+# lower estimate of that norm, which is at most zeta + ||D_X||; elsewhere they compute both of
+# those with their own norms (Gram matrices, Lanczos).
 JACOBIAN_SLACK = 1e-2
 
 
@@ -260,14 +263,18 @@ def deflated_first_order_bound(data: JacobianData, deflation: Deflation, referen
                                r_jacobian if with_softmax else r_first)
 
 
-def verified_near_reference(X: Tensor, probs: Tensor, x_query: Tensor, x_key: Tensor,
-                            x_value: Tensor, x_value_out: Tensor, score: Tensor,
-                            w: AttentionSpec, method: SpectralMethod, near: Tensor,
-                            deviation: Tensor, softmax: Tensor | None,
-                            zeta_is_tight: bool = False) -> tuple[Tensor, Tensor | None,
-                                                                  Tensor | None]:
+def near_reference_bounds(X: Tensor, probs: Tensor, x_query: Tensor, x_key: Tensor,
+                          x_value: Tensor, x_value_out: Tensor, score: Tensor, w: AttentionSpec,
+                          method: SpectralMethod, near: Tensor, deviation: Tensor,
+                          softmax: Tensor | None, zeta_is_tight: bool = False,
+                          generator: torch.Generator | None = None) -> tuple[
+                              Tensor, Tensor | None, Tensor | None]:
     """zeta, zeta_s and the Jacobian bound (B,) each (the last two None without the
-    refinement) of the verified method, deterministic upper bounds.
+    refinement) for the verified method (deterministic upper bounds) and the Lanczos method
+    (upper bounds with its probability): both take the deterministic bounds near the reference
+    where they are tight, and only the samples those leave loose get the method's own norms
+    (the verified: the Kronecker Gram's Cholesky proof; Lanczos: its randomized bound, drawing
+    from ``generator``).
 
     First the bounds near the reference (``bounds.near_reference``): zeta <= ||T_R|| plus the
     head-structured deviation, and the cheap ||D_X|| bound. Samples where zeta is not within the
@@ -276,13 +283,14 @@ def verified_near_reference(X: Tensor, probs: Tensor, x_query: Tensor, x_key: Te
     ||T_X + D_X|| with the refinement (which also bounds zeta <= ||T_X + D_X|| + ||D_X||), on
     ||T_X|| without. Where that bound is not within JACOBIAN_SLACK (with the refinement) or the
     method's slack (without) of its Rayleigh-Ritz estimate, the deflation of size
-    LARGE_DEFLATION is tried; only where that one is not either, the Kronecker Gram's Cholesky
-    proof (``verified_first_order_norm``) and, with the refinement, the verified ||D_X||
-    follow, as without the near-reference bounds. near: the near-reference bound; deviation
-    (B, h): upper bounds on ||P_l - R_l||; softmax: the product bound on ||D_X|| or None;
-    zeta_is_tight: near is within rounding of zeta already (a closed form), so zeta needs
-    neither deflation nor the Gram matrix; the Jacobian's bound then tries the first deflation
-    only, and the verified ||D_X|| where that is loose."""
+    LARGE_DEFLATION is tried; only where that one is not either, the method's zeta (verified:
+    the Kronecker Gram's Cholesky proof, ``verified_first_order_norm``; Lanczos: the smaller of
+    the bound at hand and its own) and, with the refinement, its ||D_X|| follow, as without the
+    near-reference bounds. near: the near-reference bound; deviation (B, h): upper bounds on
+    ||P_l - R_l||; softmax: the product bound on ||D_X|| or None; zeta_is_tight: near is within
+    rounding of zeta already (a closed form), so zeta needs neither deflation nor the Gram
+    matrix; the Jacobian's bound then tries the first deflation only, and the method's ||D_X||
+    where that is loose."""
     n = X.shape[1]
     f = w.first_order_factors
     reference_norm, direction = w.reference_first_order
@@ -298,11 +306,11 @@ def verified_near_reference(X: Tensor, probs: Tensor, x_query: Tensor, x_key: Te
             softmax[rows] = torch.minimum(softmax[rows], softmax_first_order_bound(
                 X[rows], probs[rows], x_query[rows], key, as_float64(w.value),
                 (query_stacked, key_stacked, output_stacked), w.scale))
-    along = (f.direction / math.sqrt(n)).repeat(n) if direction is None else direction
+    along = along_or_default(f, probs, direction)
     slack = 1.0 + method.relative_slack
     settled = (torch.ones_like(zeta, dtype=torch.bool) if zeta_is_tight else
-               zeta <= first_order_estimate(probs, f, along, 1).clamp_min(0.0).sqrt() * (
-                   slack * f.unit))
+               within_slack(zeta, first_order_estimate(probs, f, along, 1), f,
+                            method.relative_slack))
     rows = ~settled
     if softmax is not None:
         rows = rows | (softmax > SOFTMAX_NEGLIGIBLE * zeta)
@@ -331,12 +339,16 @@ def verified_near_reference(X: Tensor, probs: Tensor, x_query: Tensor, x_key: Te
             jacobian[loose] = torch.minimum(jacobian[loose], bound)
             loose[loose.clone()] = ~(bound <= ritz * (1.0 + JACOBIAN_SLACK))
     if bool(loose.any()):
-        if not zeta_is_tight:
+        if not zeta_is_tight and method.kind == "verified":
             zeta[loose] = verified_first_order_norm(probs[loose], f, method,
                                                     known=zeta[loose], along=along)
+        elif not zeta_is_tight:
+            zeta[loose] = torch.minimum(zeta[loose], first_order_norm(
+                X[loose], probs[loose], as_float64(w.value), as_float64(w.output), w.residual,
+                method, generator))
         if softmax is not None:
             softmax[loose] = torch.minimum(softmax[loose], softmax_first_order_norm(
                 probs[loose], x_query[loose], x_key[loose], x_value_out[loose], query, key,
-                score[loose], w.scale, method, None))
+                score[loose], w.scale, method, generator))
             jacobian[loose] = torch.minimum(jacobian[loose], zeta[loose] + softmax[loose])
     return zeta, softmax, jacobian
