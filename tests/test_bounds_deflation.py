@@ -6,10 +6,19 @@ import math
 import pytest
 import torch
 
+from lofast.bounds import deflation as deflation_module
 from lofast.bounds.deflation import Deflation, deflate_gram, deflated_norm_bound
 from lofast.bounds.verified import gamma, gram_with_error
 
 F64 = torch.float64
+
+
+@pytest.fixture(autouse=True, params=["dense", "lanczos"])
+def eigensolver(request, monkeypatch):
+    """Every test with the reference's eigenpairs from the dense solver (these sizes) and again
+    from Lanczos (the path of references larger than DENSE_SIZE)."""
+    if request.param == "lanczos":
+        monkeypatch.setattr(deflation_module, "DENSE_SIZE", 0)
 
 
 def operator(size, values, seed):
