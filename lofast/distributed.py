@@ -41,10 +41,10 @@ def process_group(backend: str = "gloo", timeout_hours: float = 24.0) -> Iterato
     dist.init_process_group(backend, timeout=timedelta(hours=timeout_hours))
     try:
         yield
-        # Every rank done before any tears its connections down: a rank leaving while another
-        # still writes its checkpoint could abort in gloo's teardown ("terminate called without
-        # an active exception", seen under load). A rank that raises skips this, and torchrun
-        # stops the others.
+        # Every rank done before any tears its connections down, so that none leaves while
+        # another still writes its checkpoint. (The abort that gloo can still cause in Python's
+        # finalization is avoided where the process ends: ``cli.main.main``.) A rank that
+        # raises skips this, and torchrun stops the others.
         dist.barrier()
     finally:
         dist.destroy_process_group()

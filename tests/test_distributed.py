@@ -77,6 +77,23 @@ def test_bad_shard_is_one_clear_error(setup, tmp_path, shard):
     assert result.exit_code == 2 and ("I/N" in result.output or "0 .. N-1" in result.output)
 
 
+@pytest.mark.parametrize(("args", "code", "stream", "text"),
+                         [(["--version"], 0, "stdout", "lofast, version"),
+                          (["nosuch"], 2, "stderr", "No such command")])
+def test_a_torchrun_process_ends_without_finalization(args, code, stream, text):
+    """With WORLD_SIZE > 1 the command's process ends by os._exit once its output is flushed
+    (``cli.main.main``: gloo can abort a process in Python's finalization): the output and the
+    exit code survive and nothing registered with atexit runs; a single process finalizes."""
+    program = ("import atexit, sys; atexit.register(lambda: print('finalized')); "
+               f"sys.argv = ['lofast', *{args!r}]; from lofast.cli.main import main; main()")
+    for world, finalized in (("2", False), ("1", True)):
+        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                              env={**os.environ, "WORLD_SIZE": world}, timeout=60, check=False)
+        assert done.returncode == code, done.stderr
+        assert text in getattr(done, stream)
+        assert ("finalized" in done.stdout) == finalized
+
+
 @pytest.mark.slow
 def test_torchrun_with_two_gloo_processes_equals_one_process(setup, single, tmp_path):
     out = tmp_path / "merged.jsonl"

@@ -3,6 +3,7 @@ so that `lofast --help` stays fast."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -68,4 +69,25 @@ _register()
 
 
 def main() -> None:
-    cli(prog_name="lofast")
+    """Run the command. A process of a torchrun job with several processes (WORLD_SIZE > 1)
+    then ends at once with the command's exit code, its output flushed, skipping Python's
+    finalization: after DistributedDataParallel on gloo, finalization can destroy a C++ thread
+    that is still joinable and abort the process ("terminate called without an active
+    exception"; torch 2.13, about one run in six on a loaded machine, even after
+    destroy_process_group), which turned finished, saved runs into failed jobs. Every file
+    lofast writes is closed (and renamed into place) before the command returns."""
+    if os.environ.get("WORLD_SIZE", "1").strip() in ("", "1"):
+        cli(prog_name="lofast")
+        return
+    try:
+        cli(prog_name="lofast")
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    if not isinstance(code, int):  # sys.exit(None) or sys.exit(message)
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
