@@ -15,11 +15,14 @@ from lofast.models.vit import create_model
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: one core per worker process
     torch.set_num_threads(1)
 
-# Files of 10 s or more on one thread, longest first. `pytest -n N` hands whole files to the
-# workers in collection order (``--dist loadfile``, pyproject.toml), each to the first that is
-# free: with the long ones first, no worker is left with a long file when the others are done.
-LONG_FILES = ("test_certify.py", "test_distributed.py", "test_shipped_models.py",
-              "test_bounds_attention.py", "test_bab.py")
+# Files of 2.5 s or more on one thread, longest first (`--durations=0`, summed per file).
+# `pytest -n N` hands whole files to the workers in collection order (``--dist loadfile``,
+# pyproject.toml), each to the first that is free: longest first, and the short files last
+# fill the gaps, so that no worker is left with a long file when the others are done.
+LONG_FILES = ("test_distributed.py", "test_certify.py", "test_shipped_models.py",
+              "test_bounds_attention.py", "test_bab.py", "test_cli.py",
+              "test_adversarial_checkpoints.py", "test_training_bound.py", "test_models.py",
+              "test_bounds_spectral.py")
 
 
 def pytest_collection_modifyitems(items):
