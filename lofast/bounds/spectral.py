@@ -53,6 +53,10 @@ ROUNDING_MARGIN = 1e-8
 # Largest k m for which an m x k matrix's norm is taken from its Gram matrix (see above).
 GRAM_LIMIT = 2e7
 
+# An unscaled Gram matrix is used while its largest diagonal entry lies within 2^(+-this)
+# (``matrix_norm_upper``).
+GRAM_EXPONENT = 600
+
 
 # The constant of the Kuczynski-Wozniakowski (1992) bound for the Lanczos algorithm.
 KW_CONSTANT = 1.648
@@ -183,6 +187,14 @@ def matrix_norm_upper(M: Tensor) -> Tensor:
     Exact float64 spectral norm (largest eigenvalue of the smaller Gram matrix, or the largest
     singular value when that Gram matrix would round too much, see ``GRAM_LIMIT``), times
     (1 + ROUNDING_MARGIN). Returns (...) float64 on M's device.
+
+    The Gram matrix of M itself is used wherever its largest diagonal entry (the largest squared
+    row or column norm) lies in [2^-GRAM_EXPONENT, 2^GRAM_EXPONENT]: then no entry or partial sum
+    overflows, and underflow adds at most k SUBNORMAL per entry, at most m k SUBNORMAL in norm,
+    against a top eigenvalue of at least 2^-GRAM_EXPONENT / 2 (relative error below 2^-440,
+    nothing next to ROUNDING_MARGIN). Elsewhere (zero, tiny, huge or non-finite matrices) M is
+    first scaled by a power of two, exactly, so that its largest entry lies in [1/2, 1).
+    Unscaled, the common case reads M once and allocates nothing of M's size.
     """
     if M.dim() < 2:
         raise ValueError(f"expected matrices (..., m, k), got shape {tuple(M.shape)}")
@@ -190,14 +202,42 @@ def matrix_norm_upper(M: Tensor) -> Tensor:
     rows, cols = M.shape[-2:]
     if rows == 0 or cols == 0:
         return M.new_zeros(M.shape[:-2])
-    unit = power_of_two_above(M.abs().amax(dim=(-2, -1)))  # exact rescaling: no underflow
+    if rows * cols > GRAM_LIMIT:
+        return _scaled_norm(M) * (1.0 + ROUNDING_MARGIN)
+    single = M.dim() == 2
+    if single:
+        M = M[None]
+    gram = M @ M.mT if rows <= cols else M.mT @ M
+    top = gram.diagonal(dim1=-2, dim2=-1).amax(dim=-1)
+    in_range = (top >= 2.0 ** -GRAM_EXPONENT) & (top <= 2.0 ** GRAM_EXPONENT)  # False for NaN
+    if bool(in_range.all()):
+        sigma = _top_singular_value(gram)
+    else:
+        sigma = torch.empty(M.shape[:-2], dtype=torch.float64, device=M.device)
+        sigma[in_range] = _top_singular_value(gram[in_range])
+        sigma[~in_range] = _scaled_norm(M[~in_range])
+    sigma = sigma * (1.0 + ROUNDING_MARGIN)
+    return sigma[0] if single else sigma
+
+
+def _top_singular_value(gram: Tensor) -> Tensor:
+    """sqrt(lambda_max) of symmetric positive semidefinite Gram matrices (..., r, r)."""
+    return torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0.0).sqrt()
+
+
+def _scaled_norm(M: Tensor) -> Tensor:
+    """The float64 spectral norms of M (..., m, k), computed after an exact rescaling of each
+    matrix by a power of two (its largest entry then lies in [1/2, 1): no overflow, and
+    underflow negligible next to the norm), from the smaller Gram matrix up to GRAM_LIMIT and
+    by the SVD beyond."""
+    rows, cols = M.shape[-2:]
+    unit = power_of_two_above(M.abs().amax(dim=(-2, -1)))
     M = M / unit[..., None, None]
     if rows * cols <= GRAM_LIMIT:
-        gram = M @ M.mT if rows <= cols else M.mT @ M
-        sigma = torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0.0).sqrt()
+        sigma = _top_singular_value(M @ M.mT if rows <= cols else M.mT @ M)
     else:
         sigma = torch.linalg.svdvals(M)[..., 0]
-    return unit * sigma * (1.0 + ROUNDING_MARGIN)
+    return unit * sigma
 
 
 def operator_norm(apply: LinearMap, adjoint: LinearMap, in_shape: tuple[int, ...], batch: int,
