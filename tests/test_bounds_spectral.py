@@ -128,6 +128,23 @@ def test_matrix_norm_upper_on_batched_explicit_matrices():
         matrix_norm_upper(torch.ones(3))
 
 
+def test_matrix_norm_upper_on_zero_tiny_and_huge_matrices():
+    """Matrices whose Gram matrix would underflow or overflow are rescaled exactly first; in one
+    batch with ordinary ones, each still gets its own tight upper bound."""
+    rng = np.random.default_rng(5)
+    M = torch.from_numpy(rng.standard_normal((5, 6, 9)))
+    M[1] *= 1e-200  # squares underflow to zero
+    M[2] = 0.0
+    M[3] *= 1e200  # squares overflow
+    M[4] *= 2.0 ** -310  # diagonal just outside the unscaled range
+    exact = torch.from_numpy(np.asarray(np.linalg.norm(M.numpy(), ord=2, axis=(-2, -1))))
+    for matrices, norms in ((M, exact), (M.mT, exact), (M[1], exact[1])):
+        upper = matrix_norm_upper(matrices)
+        assert upper.shape == norms.shape
+        assert (upper >= norms).all() and (upper <= norms * (1 + 2 * ROUNDING_MARGIN)).all()
+    assert matrix_norm_upper(M)[2] == 0
+
+
 def test_matrix_norm_upper_svd_route(monkeypatch):
     # above GRAM_LIMIT the norm comes from the SVD instead of the Gram matrix
     monkeypatch.setattr(spectral, "GRAM_LIMIT", 10)
