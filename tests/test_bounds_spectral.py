@@ -288,7 +288,14 @@ def test_verified_gram_norm_reads_only_the_lower_triangle():
     for candidate in (S_garbage, S_garbage.mT.contiguous().mT):
         assert torch.equal(torch.linalg.cholesky_ex(candidate).L, torch.linalg.cholesky_ex(S).L)
         assert torch.equal(torch.linalg.eigvalsh(candidate, UPLO="L"), torch.linalg.eigvalsh(S))
+        # the proof's own factorisation (in place, on a copy) passes and leaves its input alone
+        before = candidate.clone()
+        assert verified._cholesky_passes(candidate).all()
+        assert torch.equal(candidate.isnan(), upper.expand_as(candidate))
+        assert torch.equal(candidate.nan_to_num(), before.nan_to_num())
     assert (torch.linalg.cholesky_ex(-gram).info > 0).all()  # and a failure is reported
+    failing = -gram.mT.contiguous().mT
+    assert not verified._cholesky_passes(failing).any() and torch.equal(failing, -gram)
 
 
 @pytest.mark.parametrize("factor", [0.0, 0.25, 0.99])
