@@ -67,6 +67,24 @@ def test_complement_bounds_the_rest_of_the_reference():
     assert deflation.orthogonality < 1e-12
 
 
+def test_the_complement_reads_only_the_lower_triangle_in_either_memory_order():
+    """As the certifier passes it: -T^T T in Fortran order with its strict upper triangle unset
+    (NaN here) and T^T T as a map; the complement still bounds the rest of T, as from the whole
+    matrix in row-major order."""
+    T, _, _ = operator(60, [3.0, 2.9, 2.8, 2.5, 2.4, 2.2, 2.1, 2.0, 1.5, 1.4], seed=1)
+    gram, error = gram_with_error(T[None])
+    stored = (-gram[0]).mT.contiguous()  # the transpose, row by row
+    stored[torch.tril(torch.ones(60, 60, dtype=torch.bool), diagonal=-1)] = math.nan
+    fortran = stored.mT  # -T^T T below the diagonal, NaN above
+    whole = deflate_gram(-gram[0], float(error[0]))
+    for deflation in (whole, deflate_gram(fortran, float(error[0]), lambda q: q @ gram[0])):
+        basis = deflation.basis
+        projector = torch.eye(60, dtype=F64) - basis @ torch.linalg.solve(basis.T @ basis, basis.T)
+        rest = torch.linalg.matrix_norm(T @ projector, 2)
+        assert rest <= deflation.complement <= rest * (1 + 2e-4)
+    assert stored.isnan().sum() == 60 * 59 // 2  # read, not written
+
+
 @pytest.mark.parametrize("kind", ["random", "top", "coupling", "complement-up", "complement-top"])
 @pytest.mark.parametrize("size", [0.0, 1e-4, 1e-2, 0.3, 2.0])
 def test_bound_dominates_the_norm(kind, size):

@@ -113,7 +113,12 @@ def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = No
     if size < 2:
         raise ValueError("deflation needs a dimension of at least 2")
     device = negated.device
-    S = -(torch.tril(negated) + torch.tril(negated, -1).mT)  # exactly symmetric
+    # S itself only for the dense eigensolver or as the Lanczos map; otherwise its norm alone,
+    # without a strided copy of the whole matrix
+    explicit = gram is None or size <= DENSE_SIZE
+    S = -(torch.tril(negated) + torch.tril(negated, -1).mT) if explicit else None  # symmetric
+    s_frobenius = (float(torch.linalg.vector_norm(S)) * (1.0 + gamma(size * size)) if explicit
+                   else _symmetric_frobenius_upper(negated))
     if gram is None:
         def gram(q: Tensor) -> Tensor:
             return q @ S
@@ -143,10 +148,14 @@ def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = No
     if not eta < 1e-6:
         raise ValueError(f"deflation basis is not orthonormal (||V^T V - I|| <= {eta:.3g})")
     shift = math.ldexp(1.0, math.frexp(max(2.0 * top, 2.0 ** -500))[1])  # power of two >= 2 top
-    deflated = negated + shift * (basis @ basis.mT)  # lower triangle: -(S - g V V^T), rounded
+    # lower triangle: -(S - g V V^T), rounded. Either triangle of the computed V V^T holds
+    # rounded values of its entries (within the same bound), so a Fortran-ordered negated is
+    # added to the product's transpose: both then read in the same memory order
+    product = shift * (basis @ basis.mT)
+    deflated = ((negated.mT + product).mT if negated.mT.is_contiguous()
+                else negated + product)
     error = (gram_error + shift * gamma(count) * frobenius ** 2
-             + UNIT_ROUNDOFF * (float(torch.linalg.vector_norm(S)) * (1.0 + gamma(size * size))
-                                + shift * (1.0 + gamma(count)) * frobenius ** 2)
+             + UNIT_ROUNDOFF * (s_frobenius + shift * (1.0 + gamma(count)) * frobenius ** 2)
              + size * size * SUBNORMAL) * (1.0 + 2.0 ** -30)
 
     def deflated_gram(q: Tensor) -> Tensor:
@@ -242,6 +251,18 @@ def deflated_norm_bound(Y: Tensor, Z: Tensor, deflation: Deflation, deviation: T
         upper = torch.where(ok, t.sqrt() * inflate, upper)
         todo = todo & ~ok
     return upper, ritz
+
+
+def _symmetric_frobenius_upper(negated: Tensor) -> float:
+    """An upper bound on ||S||_F for the symmetric S of the lower triangle of negated (N, N):
+    sqrt(2) times the Frobenius norm of that triangle (with the diagonal), its rounding
+    included. The triangle is read in negated's memory order: a Fortran-ordered matrix's lower
+    triangle is the upper triangle of its row-major transpose."""
+    size = negated.shape[0]
+    rows = negated.mT
+    triangle = torch.triu(rows) if rows.is_contiguous() else torch.tril(negated)
+    return (math.sqrt(2.0) * float(torch.linalg.vector_norm(triangle))
+            * (1.0 + gamma(size * size)) * (1.0 + 2.0 ** -40))
 
 
 def _symmetric(A: Tensor) -> Tensor:
