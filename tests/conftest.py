@@ -5,15 +5,18 @@ untrained tiny checkpoint for it, and one data cache outside the folders tests w
 import os
 
 import pytest
-import torch
-from helpers import write_image_folder
 
-from lofast.checkpoint import save_checkpoint
-from lofast.config import preset
-from lofast.models.vit import create_model
+# torch, lofast and the helpers are imported where a fixture needs them: the controller process
+# of `pytest -n N` loads this file but runs no test, and importing torch there (1.3 s of CPU)
+# would only compete with the workers starting up.
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: one core per worker process
-    torch.set_num_threads(1)
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: one core per worker process
+        import torch
+
+        torch.set_num_threads(1)
+
 
 # Files of 2.5 s or more on one thread, longest first (`--durations=0`, summed per file).
 # `pytest -n N` hands whole files to the workers in collection order (``--dist loadfile``,
@@ -36,6 +39,8 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
     """train/ and test/ folders of four classes, 8 and 4 PNG images per class."""
+    from helpers import write_image_folder
+
     root = tmp_path_factory.mktemp("folder")
     write_image_folder(root, 8, 0)
     return root
@@ -44,6 +49,10 @@ def data_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """The tiny preset for the four classes of data_dir, untrained (seed 0)."""
+    from lofast.checkpoint import save_checkpoint
+    from lofast.config import preset
+    from lofast.models.vit import create_model
+
     path = tmp_path_factory.mktemp("ckpt") / "tiny.safetensors"
     save_checkpoint(path, create_model(preset("tiny", num_classes=4), seed=0),
                     {"dataset": "folder", "classes": [f"class{c}" for c in range(4)]})
@@ -60,6 +69,8 @@ def shared_cache(tmp_path_factory, monkeypatch):
 def one_thread():
     """torch on one thread for a module: many tiny operations run faster without OpenMP
     synchronisation, and results compared with torchrun's one-thread processes sum alike."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
