@@ -18,20 +18,26 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-# Files of 2.5 s or more on one thread, longest first (`--durations=0`, summed per file).
-# `pytest -n N` hands whole files to the workers in collection order (``--dist loadfile``,
-# pyproject.toml), each to the first that is free: longest first, and the short files last
-# fill the gaps, so that no worker is left with a long file when the others are done.
-LONG_FILES = ("test_distributed.py", "test_certify.py", "test_shipped_models.py",
-              "test_bounds_attention.py", "test_bab.py", "test_cli.py",
-              "test_adversarial_checkpoints.py", "test_training_bound.py", "test_models.py",
-              "test_bounds_spectral.py")
+# Every test file by its time on one thread, longest first (`--durations=0`, summed per file;
+# files not listed go last). `pytest -n N` hands whole files to the workers in collection order
+# (``--dist loadfile``, pyproject.toml), each to the first that is free: longest first, so that
+# no worker is left with a long file when the others are done, and the short ones last fill
+# the gaps evenly.
+FILES_LONGEST_FIRST = (
+    "test_certify.py", "test_distributed.py", "test_shipped_models.py",
+    "test_bounds_attention.py", "test_bab.py", "test_cli.py", "test_adversarial_checkpoints.py",
+    "test_models.py", "test_training_bound.py", "test_bounds_spectral.py",
+    "test_bounds_near_reference.py", "test_verdicts.py", "test_attention_report.py",
+    "test_hostile_inputs.py", "test_data.py", "test_bounds_coordinate_jacobian.py",
+    "test_bounds_deflation.py", "test_api.py", "test_crown.py", "test_checkpoint.py",
+    "test_bounds_compose.py")
 
 
 def pytest_collection_modifyitems(items):
     def rank(item):
         name = item.path.name
-        return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+        return (FILES_LONGEST_FIRST.index(name) if name in FILES_LONGEST_FIRST
+                else len(FILES_LONGEST_FIRST))
 
     items.sort(key=rank)  # stable: the order within each file and among the rest is kept
 
