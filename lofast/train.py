@@ -223,7 +223,10 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
             first_step, loss_sum, correct, seen, before = 0, 0.0, 0, 0, 0.0
         else:
             order, first_step = partial["order"], partial["step"]
-            loss_sum, correct, seen = partial["loss_sum"], partial["correct"], partial["seen"]
+            # the sums of the steps before the stop, over every process of the stopped run: rank
+            # 0 carries them on, so that they count once whatever the number of processes now
+            loss_sum, correct, seen = ((partial["loss_sum"], partial["correct"], partial["seen"])
+                                       if rank == 0 else (0.0, 0, 0))
             before, partial = partial["seconds"], None
         # this process's loss and correct predictions summed on the device, read every
         # SYNC_STEPS steps: a host synchronisation per step would stall a GPU
@@ -273,8 +276,9 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
                                       correct / seen,
                                       world * seen / (time.perf_counter() - started)))
             if stopping:
-                stopped = {"order": order, "step": step + 1, "loss_sum": loss_sum,
-                           "correct": int(correct), "seen": seen,
+                total_loss, total_correct, total_seen = _summed(loss_sum, correct, seen, device)
+                stopped = {"order": order, "step": step + 1, "loss_sum": total_loss,
+                           "correct": total_correct, "seen": total_seen,
                            "seconds": time.perf_counter() - started}
                 if state_path is not None and rank == 0:
                     save_training_state(state_path, model, optimizer, scheduler,

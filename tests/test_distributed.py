@@ -128,12 +128,21 @@ def train_args(setup, out, *extra):
             "--out", str(out), *extra]
 
 
-def assert_close_weights(a, b):
+def assert_same_run(a, b):
+    """Two checkpoints of the same run, up to the rounding of gradients averaged over processes:
+    their weights, and every epoch's training loss and accuracy in their records."""
     from safetensors.torch import load_file
 
-    a, b = load_file(str(a)), load_file(str(b))
-    for key in a:
-        assert torch.allclose(a[key], b[key], rtol=1e-4, atol=1e-5), key
+    from lofast.checkpoint import read_metadata
+
+    weights_a, weights_b = load_file(str(a)), load_file(str(b))
+    for key in weights_a:
+        assert torch.allclose(weights_a[key], weights_b[key], rtol=1e-4, atol=1e-5), key
+    history_a, history_b = (read_metadata(path)["history"] for path in (a, b))
+    assert len(history_a) == len(history_b)
+    for epoch_a, epoch_b in zip(history_a, history_b):
+        assert epoch_b["train_loss"] == pytest.approx(epoch_a["train_loss"], rel=1e-5)
+        assert epoch_b["train_accuracy"] == epoch_a["train_accuracy"]
 
 
 @pytest.fixture(scope="module")
@@ -145,15 +154,19 @@ def one_process_model(setup, tmp_path_factory, one_thread):
 
 
 @pytest.mark.slow
-def test_torchrun_training_equals_one_process(setup, tmp_path, one_process_model):
-    """Two gloo processes averaging the gradients of half batches take the steps one process
-    takes on whole batches (up to rounding); rank 0 alone writes."""
-    one = one_process_model
+def test_torchrun_resumes_a_one_process_run_to_the_same_model(setup, tmp_path, one_process_model,
+                                                              one_thread):
+    """A run stopped by its time limit after one step on one process, resumed by two gloo
+    processes averaging the gradients of half batches: they take the steps one process takes on
+    whole batches (up to rounding), across the epoch boundary, and the epochs' records count
+    the steps before the stop once; rank 0 alone writes."""
     two = tmp_path / "two.safetensors"
-    done = torchrun(train_args(setup, two, "--epochs", "2"), tmp_path)
+    cut = CliRunner().invoke(cli, train_args(setup, two, "--epochs", "2", "--time-limit", "1e-6"))
+    assert cut.exit_code != 0 and "time limit reached after epoch 1, step 1/" in cut.output
+    done = torchrun(train_args(setup, two, "--epochs", "2", "--resume"), tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("saved ") == 1 and "2 processes" in done.stderr
-    assert_close_weights(one, two)
+    assert_same_run(one_process_model, two)
 
 
 @pytest.mark.slow
@@ -185,4 +198,4 @@ def test_torchrun_run_stopped_by_time_limit_resumes_on_one_process(setup, tmp_pa
     assert read_metadata(cut)["stopped"].startswith("time limit after epoch 1, step 1/")
     result = CliRunner().invoke(cli, train_args(setup, cut, "--epochs", "2", "--resume"))
     assert result.exit_code == 0, result.output
-    assert_close_weights(one, cut)
+    assert_same_run(one, cut)  # the stopped step's sums of both processes counted once
