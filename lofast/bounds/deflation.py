@@ -93,8 +93,8 @@ def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = No
     """Deflation of a reference T_R given its Gram matrix explicitly.
 
     negated: (N, N) float64 whose lower triangle (with the diagonal) is that of -S, S symmetric
-    with ||S - T_R^T T_R||_2 <= gram_error (the strict upper triangle is not read; it is not
-    modified). gram: optionally T_R^T T_R as a cheaper matrix-free map (1, N) -> (1, N) for the
+    with ||S - T_R^T T_R||_2 <= gram_error (the strict upper triangle may hold anything, NaN
+    included: it enters no result, and it is not modified). gram: optionally T_R^T T_R as a cheaper matrix-free map (1, N) -> (1, N) for the
     Lanczos estimates (by default products with S; above N = DENSE_SIZE only). The basis holds
     estimates of the top eigenvectors (k from ``DEFLATION_SIZES``, or ``count``, at most N - 1;
     a dense eigensolver's up to N = DENSE_SIZE, Lanczos's above); only tightness depends on
