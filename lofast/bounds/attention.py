@@ -308,14 +308,17 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
     device = X.device
     query, key = as_float64(w.query, device), as_float64(w.key, device)
     value, output = as_float64(w.value, device), as_float64(w.output, device)
-    score_weights = query @ key.mT  # (h, d, d) A_l
     # einsum keeps these single matrix products; a broadcast (B, 1, n, d) @ (h, d, d) would copy
     # the weights once per sample. Its (B, h, n, d) results are views of (B, n, h, d) memory:
     # those read by two or more Gram products (the norms below) are made contiguous once, as
     # each product would copy them again.
-    x_score = torch.einsum("bnd,hde->bhne", X, score_weights).contiguous()  # (B, h, n, d) X A_l
     x_query = torch.einsum("bnd,hde->bhne", X, query)  # (B, h, n, dh) X Wq_l
     x_key = torch.einsum("bnd,hde->bhne", X, key)  # (B, h, n, dh) X Wk_l
+    # X A_l and X A_l^T from the projections the scores are made of: (X Wq_l) Wk_l^T takes
+    # dh / d of the work of X (Wq_l Wk_l^T), with rounding of the same order (the product
+    # A_l itself rounds relative to |Wq_l| |Wk_l|^T)
+    x_score = torch.einsum("bhne,hfe->bhnf", x_query, key).contiguous()  # (B, h, n, d) X A_l
+    x_score_t = torch.einsum("bhne,hfe->bhnf", x_key, query).contiguous()  # ||X A_l^T|| = ||A_l X^T||
     probs = probabilities_from_projections(x_query, x_key, w.scale,
                                            _bias(w, device))  # (B, h, n, n)
     x_value = torch.einsum("bnd,hde->bhne", X, value)  # (B, h, n, dv) X Wv_l
@@ -323,9 +326,8 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
     value_norm = matrix_norm_upper(x_value_out)  # ||X B_l||
     same_device = w.query.device == device
     score_weight_norm, value_weight_norm = (
-        w.weight_norms if same_device else (matrix_norm_upper(score_weights),
+        w.weight_norms if same_device else (matrix_norm_upper(query @ key.mT),
                                             matrix_norm_upper(value @ output)))
-    x_score_t = torch.einsum("bnd,hed->bhne", X, score_weights).contiguous()  # ||X A_l^T|| = ||A_l X^T||
 
     matrix_free = 0  # probabilistic / estimated norms per sample
     if score_bound == "exact":
