@@ -230,11 +230,13 @@ def _cholesky_passes(A: Tensor) -> Tensor:
     to completion (cholesky_ex reads the lower triangle only, see
     ``verified_norm_from_negated_gram``). A is left as it was.
 
-    The factorisation runs in place on a copy of A in A's memory order: given a separate
-    output, ATen's cholesky_ex first writes tril(A) into it element by element across the
-    columns of the Fortran-ordered factor, which at N = 4352 took longer than LAPACK's
-    factorisation itself (one CPU thread: 0.62-0.67 s against 0.02 s for the copy and 0.40 s
-    in place)."""
+    On a CPU the factorisation runs in place on a copy of A in A's memory order: given a
+    separate output, ATen's CPU cholesky_ex first writes tril(A) into it element by element
+    across the columns of the Fortran-ordered factor, which at N = 4352 took longer than
+    LAPACK's factorisation itself (one thread: 0.62-0.67 s against 0.02 s for the copy and
+    0.40 s in place). Accelerators copy A with a fast kernel and keep the plain call."""
+    if A.device.type != "cpu":
+        return torch.linalg.cholesky_ex(A).info == 0
     factor = A.clone()  # keeps A's strides (Fortran order for the callers' matrices)
     info = torch.empty(A.shape[:-2], dtype=torch.int32, device=A.device)
     torch.linalg.cholesky_ex(factor, out=(factor, info))
