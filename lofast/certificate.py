@@ -107,8 +107,12 @@ class BatchCertificate:
         return self.margins.min(dim=1).values
 
     def feature_radius(self, eps: Tensor) -> Tensor:
-        """Bound on the change of the pooled features, (B, E), for image radii eps (E,)."""
-        eps = eps.to(self.margins)
+        """Bound on the change of the pooled features, (B, E), for image radii eps (E,), each
+        finite and >= 0 (CertificationError otherwise: the bounds hold for no other radius)."""
+        eps = torch.as_tensor(eps).to(self.margins)
+        if eps.dim() != 1 or not bool((torch.isfinite(eps) & (eps >= 0)).all()):
+            raise CertificationError(f"eps must be a 1-d tensor of finite radii >= 0, not "
+                                     f"{eps.tolist()}")
         return propagate(self.steps, eps[None, :].expand(len(self.labels), -1))
 
     def certified(self, eps: Tensor) -> Tensor:
@@ -213,8 +217,10 @@ class Certifier:
 
     @torch.no_grad()
     def certify(self, images: Tensor, labels: Tensor) -> BatchCertificate:
-        """images (B, C, H, W) in [0, 1], labels (B,) -> certificates."""
+        """images (B, C, H, W) in [0, 1] of the model's shape, labels (B,) integer classes of
+        the model -> certificates. CertificationError for anything else."""
         started = time.perf_counter()
+        self._check_inputs(images, labels)
         x = images.to(self.device, torch.float64)
         if not torch.isfinite(x).all():
             raise CertificationError("input images contain NaN or infinity")
@@ -241,3 +247,24 @@ class Certifier:
                                 pair_norms=pair_norms, steps=steps, guarantee=guarantee,
                                 failure_probability=failure,
                                 seconds=time.perf_counter() - started)
+
+    def _check_inputs(self, images: Tensor, labels: Tensor) -> None:
+        """Refuse images that are not a (B, C, H, W) batch of the model's shape, and labels
+        that are not B integer classes of the model: a label outside them, or a wrong image
+        shape broadcast by the forward pass, would certify a question nobody asked."""
+        config = self.model.config
+        shape = (config.channels, config.image_size, config.image_size)
+        if not isinstance(images, Tensor) or images.dim() != 4 or tuple(images.shape[1:]) != shape \
+                or images.shape[0] < 1:
+            got = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
+            raise CertificationError(f"images must be a tensor (B, {', '.join(map(str, shape))}) "
+                                     f"with B >= 1, not {got}")
+        if (not isinstance(labels, Tensor) or labels.dtype.is_floating_point
+                or labels.dtype.is_complex or labels.dtype == torch.bool
+                or tuple(labels.shape) != (images.shape[0],)):
+            got = (f"{tuple(labels.shape)} {labels.dtype}" if isinstance(labels, Tensor)
+                   else type(labels).__name__)
+            raise CertificationError(f"labels must be an integer tensor ({images.shape[0]},), "
+                                     f"not {got}")
+        if bool(((labels < 0) | (labels >= config.num_classes)).any()):
+            raise CertificationError(f"labels must lie in 0 .. {config.num_classes - 1}")

@@ -5,6 +5,11 @@ class LofastError(Exception):
     """Base class of every error a user can cause (bad file, bad option, bad data)."""
 
 
+class ConfigError(LofastError, ValueError):
+    """An option or argument outside what it may be (a negative eps, a count below one, an
+    unknown name): refused before any work, by the command line and the Python API alike."""
+
+
 class DataError(LofastError):
     """Missing, corrupt, truncated or wrongly shaped data."""
 

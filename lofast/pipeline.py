@@ -1,12 +1,16 @@
-"""The certification pipeline on a data set: LoFAST on each batch gives one record per sample
-(``certified_batches``); then, on the samples it leaves open, the CROWN-family fallback and the
-PGD falsifier update those records in place, eps by eps. The CLI and the Python API
-(``lofast.api``) both run it; neither prints here.
+"""The certification pipeline on a data set, with its one driver ``run_certify``: LoFAST on each
+batch gives one record per sample (``certified_batches``); then, on the samples it leaves open,
+the CROWN-family fallback and the PGD falsifier update those records in place, eps by eps; the
+records are written as each batch finishes, resumed, sharded (also under torchrun) and
+summarised, with the attention report on request. The command line and the Python API
+(``lofast.certify``) both build a ``config.CertifyConfig`` and call the driver; neither
+repeats any of it, and nothing here prints.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,16 +21,161 @@ import torch
 from torch import Tensor, nn
 
 from lofast.certificate import Certifier, CertifySettings
-from lofast.errors import CertificationError, LofastError
-from lofast.report import SampleRecord, eps_key
+from lofast.config import FALLBACKS, AttackSettings, CertifyConfig
+from lofast.errors import CertificationError, ConfigError, LofastError
+from lofast.report import SampleRecord, Summary, eps_key
 
 if TYPE_CHECKING:
+    from lofast.attention_report import AttentionReport
     from lofast.bab import BabSettings
-
-FALLBACKS = ("crown", "alpha-crown", "beta-crown")
 
 # progress(phase, done, total): called after every sample a fallback verifier finishes
 Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class Certification:
+    """What a run found: one record per sample, in evaluation order, their summary (certified
+    accuracy per eps, radii, time), as ``lofast certify --out/--json`` writes them, and the
+    attention report where asked for."""
+
+    records: list[SampleRecord]
+    summary: Summary
+    attention: AttentionReport | None = None
+
+
+class RunProgress:
+    """What ``run_certify`` reports as it goes. Every method does nothing here (the Python
+    API's default); the command line draws bars and lines (``cli.certify_cmd``)."""
+
+    def note(self, text: str) -> None:
+        """A one-off message (a resumed file's count)."""
+
+    def samples(self, done: int, total: int, ms_per_sample: float | None) -> None:
+        """done of total samples have records (called once before the first batch)."""
+
+    def phase(self, name: str, done: int, total: int) -> None:
+        """A pass over some samples (a fallback at one eps, the attention report): done = 0
+        when it starts."""
+
+
+def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
+                ) -> Certification | None:
+    """Certify ``config.limit`` samples of the data at every eps: LoFAST, then the fallback
+    and the attack on what it leaves, records written to ``config.out`` batch by batch (and
+    resumed from it), the summary, the attention report. Under torchrun every process takes its
+    interleaved part and writes ``out.rankIofN``; process 0 merges the parts, writes ``out``
+    and returns the whole run, the others return None."""
+    from lofast.distributed import gather_on_first, process_group, torchrun_rank
+    from lofast.report import RecordWriter, merge_runs, summarize, write_records
+    from lofast.train import resolve_device
+
+    progress = progress or RunProgress()
+    shard, out, merged_out = config.shard, config.out, None
+    ranks = torchrun_rank()
+    if ranks is not None:
+        if shard is not None:
+            raise ConfigError("under torchrun every rank takes its shard itself; drop --shard")
+        shard = ranks
+        if out is not None:
+            if out.exists() and not config.resume:
+                raise LofastError(f"{out} exists; pass --resume to continue it or choose "
+                                  "another --out")
+            merged_out, out = out, out.with_name(f"{out.name}.rank{ranks[0]}of{ranks[1]}")
+    device = resolve_device(config.device)
+    batch_size = config.batch_size or default_batch_size(device)
+    if config.fallback is not None:
+        from lofast.crown import INSTALL_HINT, crown_available
+
+        if not crown_available():
+            raise LofastError(f"--fallback {config.fallback} needs auto_LiRPA; install it "
+                              f"with: {INSTALL_HINT}")
+    model, metadata, digest = load_source(config.checkpoint)
+    data, order = load_samples(model, metadata, config.data, config.dataset, config.split,
+                               config.limit)
+    if shard is not None:
+        order = order[shard[0]::shard[1]]
+    settings = config.settings or CertifySettings()
+    certifier = Certifier(model, settings, device)
+    run = run_settings(digest, data, config.split, settings, config.fallback or "none",
+                       config.fallback_timeout, config.attack)
+    writer = RecordWriter(out, config.resume, config.eps, run)
+    todo = [int(i) for i in order if int(i) not in writer.done]
+    # a file resumed with a smaller --n holds records outside this run's samples: not counted
+    records = [writer.done[int(i)] for i in order if int(i) in writer.done]
+    if records:
+        progress.note(f"resuming: {len(records)} samples already certified in {out}")
+    started = time.perf_counter()
+    failure = 0.0
+    progress.samples(len(records), len(order), None)
+    try:
+        for x, batch, batch_failure in certified_batches(certifier, data, todo, config.eps,
+                                                         run, batch_size):
+            failure = max(failure, batch_failure)
+            per_sample = batch[0].seconds
+            if config.fallback is not None:
+                run_fallback(model, x, batch, config.eps, config.fallback,
+                             config.fallback_timeout, progress.phase)
+            if config.attack is not None:
+                run_attack(model, x, batch, config.eps, config.attack)
+            writer.write(batch)
+            records.extend(batch)
+            progress.samples(len(records), len(order), 1e3 * per_sample)
+    finally:
+        writer.close()
+    if ranks is not None:
+        with process_group("gloo"):
+            parts = gather_on_first(records)
+        if parts is None:
+            return None  # process 0 reports for all
+        records = merge_runs(parts)
+        if merged_out is not None:
+            write_records(merged_out, records)
+    summary = summarize(records, config.eps, time.perf_counter() - started,
+                        guarantee_text(settings, failure), settings.describe(),
+                        float(settings.kappa), str(device))
+    attention = None
+    if config.attention_report:
+        attention = measure_attention(model, data, records, config.eps, settings, device,
+                                      batch_size, progress.phase)
+    return Certification(records=records, summary=summary, attention=attention)
+
+
+def load_source(checkpoint: object) -> tuple[nn.Module, dict, str]:
+    """(model, its checkpoint metadata, the digest records name it by) for a checkpoint path,
+    a loaded LipschitzViT ("in memory", no metadata) or None (the shipped default)."""
+    from lofast.checkpoint import (
+        default_checkpoint_path,
+        file_digest,
+        load_checkpoint,
+        read_metadata,
+    )
+    from lofast.models.vit import LipschitzViT
+
+    if isinstance(checkpoint, LipschitzViT):
+        return checkpoint, {}, "in memory"
+    if checkpoint is not None and not isinstance(checkpoint, Path):
+        raise ConfigError(f"checkpoint must be a path or a LipschitzViT, not "
+                          f"{type(checkpoint).__name__}")
+    path = checkpoint or default_checkpoint_path()
+    return load_checkpoint(path), read_metadata(path), file_digest(path)[:16]
+
+
+def measure_attention(model: nn.Module, data: object, records: Sequence[SampleRecord],
+                      eps: Sequence[float], settings: CertifySettings, device: torch.device,
+                      batch_size: int, progress: Progress | None = None) -> AttentionReport:
+    """The attention report on the records' samples. The real model's verdicts are LoFAST's
+    own, read from the records (a sample only a fallback certified counts as not certified):
+    the ablated model is certified by LoFAST alone, so both sides are compared alike."""
+    from lofast.attention_report import attention_report
+
+    chosen = [r.index for r in records]
+    lofast_verdicts = torch.tensor(
+        [[r.verifiers.get(eps_key(e)) == "lofast" for e in eps] for r in records],
+        dtype=torch.bool).reshape(len(records), len(eps))
+    x, y = data.subset(chosen).to_tensors()
+    return attention_report(model, x, y, eps=eps, settings=settings, certified=lofast_verdicts,
+                            batch_size=batch_size, device=device, progress=progress)
 
 
 def run_fallback(model: nn.Module, images: Tensor, records: Sequence[SampleRecord],
@@ -81,22 +230,6 @@ def run_fallback(model: nn.Module, images: Tensor, records: Sequence[SampleRecor
                 record.reasons[key] = failed[b]
             if progress is not None:
                 progress(f"{method} at eps={key}", done + 1, len(todo))
-
-
-@dataclass(frozen=True)
-class AttackSettings:
-    """l2 PGD on the samples no verifier certified (see ``lofast.attack.pgd_attack``)."""
-
-    steps: int = 100
-    restarts: int = 5
-    box: bool = True  # keep adversarial images in the pixel box [0, 1]
-    seed: int = 0
-    save_dir: Path | None = None  # write every counterexample found there as .npz
-
-    def describe(self) -> dict:
-        """The settings a record's verdicts depend on (for --resume)."""
-        return {"steps": self.steps, "restarts": self.restarts, "box": self.box,
-                "seed": self.seed}
 
 
 def run_attack(model: nn.Module, images: Tensor, records: Sequence[SampleRecord],

@@ -63,3 +63,109 @@ def test_api_takes_models_and_data_sets(one_thread, checkpoint, data_dir):
     assert [r.radius for r in from_paths.records] == [r.radius for r in from_objects.records]
     assert from_paths.summary.samples == 4
     assert len(lofast.load_data()) == 500  # the bundled sample
+
+
+# Arguments the API must refuse as the command line does, before any work (ConfigError, one of
+# lofast.errors): each would otherwise certify the wrong question. A negative eps, in
+# particular, counted misclassified samples as certified.
+BAD_ARGUMENTS = [
+    {"eps": -1.0}, {"eps": [0.05, -1]}, {"eps": 0}, {"eps": float("nan")},
+    {"eps": float("inf")}, {"eps": "abc"}, {"eps": "1/0"}, {"eps": True}, {"eps": []},
+    {"eps": [0.05, None]}, {"n": -1}, {"n": 0}, {"n": 2.5}, {"n": True}, {"batch_size": -1},
+    {"batch_size": 0}, {"batch_size": 2**40}, {"split": "dev"}, {"dataset": "imagenet"},
+    {"fallback": "gamma"}, {"fallback_timeout": -1.0}, {"shard": "3/2"}, {"shard": "x"},
+    {"resume": True}, {"attack": "yes"}, {"attention_report": 1}, {"device": ""},
+    {"settings": "exact"}, {"out": 3.5},
+]
+
+
+@pytest.mark.parametrize("arguments", BAD_ARGUMENTS, ids=repr)
+def test_api_refuses_bad_arguments_before_any_work(arguments, monkeypatch):
+    from lofast import pipeline
+    from lofast.errors import ConfigError
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(pipeline, "load_source", never)
+    with pytest.raises(ConfigError):
+        lofast.certify(**{"eps": 0.05, **arguments})
+
+
+def test_api_reads_eps_as_the_command_line_does():
+    from lofast.config import AttackSettings, CertifyConfig
+
+    assert CertifyConfig(eps="0.05").eps == (0.05,)  # one radius, not four characters
+    assert CertifyConfig(eps="36/255").eps == (36 / 255,)
+    assert CertifyConfig(eps=[0.1, "0.02", 0.1]).eps == (0.02, 0.1)
+    assert CertifyConfig(eps=0.05, attack=True).attack == AttackSettings()
+    assert CertifyConfig(eps=0.05, shard="1/3").shard == (1, 3)
+    for bad in ({"steps": 0}, {"restarts": 10**6}, {"seed": -1}, {"box": "no"}):
+        with pytest.raises(CertificationError.__mro__[1]):  # LofastError
+            AttackSettings(**bad)
+
+
+def test_certifier_refuses_images_and_labels_the_model_was_not_made_for(checkpoint):
+    import torch
+
+    certifier = Certifier(lofast.load_model(checkpoint))
+    x = torch.rand(2, 3, 32, 32)
+    y = torch.tensor([0, 1])
+    for images, labels in [(x[:, :2], y), (x[:, :, :16], y), (x[0], y), (x, y.float()),
+                           (x, y[:1]), (x, torch.tensor([0, 4])), (x, torch.tensor([-1, 0])),
+                           (x, y.bool()), (x.numpy(), y), (x[:0], y[:0])]:
+        with pytest.raises(CertificationError):
+            certifier.certify(images, labels)
+    certificate = certifier.certify(x, y)
+    with pytest.raises(CertificationError, match="radii"):
+        certificate.certified(torch.tensor([0.05, -1.0], dtype=torch.float64))
+
+
+def test_api_certificates_cannot_be_fooled_by_their_arguments():
+    """A property test: random eps lists, n and batch sizes, valid and invalid. Each call is
+    refused, or every sample it certifies is correctly classified with a positive margin, has a
+    radius at least its eps, and survives PGD at 0.999 x that radius."""
+    import copy
+    import random
+
+    import numpy as np
+    import torch
+    from helpers import train_tiny
+
+    from lofast.attack import pgd_l2
+    from lofast.data import ImageDataset
+    from lofast.errors import ConfigError
+
+    model, x, y = train_tiny()
+    pixels = (x * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    data = ImageDataset(images=np.ascontiguousarray(pixels), labels=y.numpy().astype(np.int64),
+                        classes=tuple(f"c{i}" for i in range(4)), name="folder")
+    rng = random.Random(0)
+    valid = [0.02, 0.05, 0.1, 0.2, "0.1", "1/20", 1e-300]
+    invalid = [-0.05, -1, 0, float("nan"), float("inf"), "-1/20", "x"]
+    refused = certified = 0
+    attacked: dict[int, float] = {}  # sample -> largest certified eps
+    for _ in range(20):  # about two draws in five are valid
+        eps = rng.sample(valid, rng.choice([0, 1, 2, 2, 3, 3, 3, 3, 3, 3]))
+        eps += rng.sample(invalid, rng.choice([0, 0, 0, 1]))
+        n = rng.choice([-1, 0, 1, 5, 9, 16, 16, None, 2.5, True, 3, 7])
+        batch_size = rng.choice([-1, 0, 1, 4, 7, None, None, 16, 2, 5])
+        try:
+            run = lofast.certify(model, data, eps=eps, n=n, batch_size=batch_size, device="cpu")
+        except ConfigError:
+            refused += 1
+            continue
+        for record in run.records:
+            for key, verdict in record.verdicts.items():
+                if verdict:
+                    certified += 1
+                    assert record.prediction == record.label and record.margin > 0
+                    assert record.radius >= float(key) > 0
+                    attacked[record.index] = max(attacked.get(record.index, 0.0), float(key))
+    assert refused >= 3 and certified >= 3, (refused, certified)
+    index = sorted(attacked)
+    images = torch.from_numpy(pixels[index]).permute(0, 3, 1, 2).double() / 255
+    radius = torch.tensor([attacked[i] for i in index], dtype=torch.float64)
+    broken = pgd_l2(copy.deepcopy(model).double(), images, y[index], radius * 0.999, steps=50,
+                    restarts=2)
+    assert not broken.any()

@@ -71,3 +71,15 @@ def test_a_returned_radius_was_itself_certified_even_for_a_non_monotone_map():
     for points in (1, 4, 15):
         radius = certified_radius([Jagged()], margins, pair_norms, points=points)
         assert certified_at([Jagged()], margins, pair_norms, radius).all()
+
+
+def test_head_never_certifies_a_wrong_or_tied_sample_whatever_the_radius():
+    """A misclassified or tied sample fails the head test at every radius, negative and NaN
+    included (a negative radius once made every margin exceed its 'needed' value)."""
+    margins, pair_norms = random_head(6, 5, seed=3)
+    margins[2, 3] = 0.0  # a tie
+    radii = torch.tensor([[-1.0, -1e-9, 0.0, 1e-6, float("nan")]], dtype=torch.float64)
+    verdicts = head_certified(margins, pair_norms, radii.expand(6, -1))
+    assert not verdicts[-1].any() and not verdicts[2].any()
+    assert not verdicts[:, [0, 1, 4]].any()  # negative or NaN radii certify nothing
+    assert verdicts[0, 2] and verdicts[0, 3]  # a correct sample at radius 0 and nearly 0

@@ -78,9 +78,12 @@ def propagate(steps: Sequence[RadiusMap], eps: Tensor) -> Tensor:
 
 def head_certified(margins: Tensor, pair_norms: Tensor, feature_radius: Tensor) -> Tensor:
     """True where z_y - z_j > ||w_y - w_j|| * radius for every j != y (margins already +inf at
-    j = y and negative where another class wins). Shapes: (B, C), (B, C), (B, E) -> (B, E)."""
+    j = y and negative where another class wins) and every such margin is positive: a sample
+    the model gets wrong, or ties, is never certified, whatever the radius (a radius below 0,
+    or NaN, certifies nothing). Shapes: (B, C), (B, C), (B, E) -> (B, E)."""
     needed = pair_norms[:, None, :] * (feature_radius[..., None] * (1.0 + ROUNDING_MARGIN))
-    return (margins[:, None, :] > needed).all(dim=-1)
+    correct = (margins > 0).all(dim=-1)[:, None] & (feature_radius >= 0)
+    return (margins[:, None, :] > needed).all(dim=-1) & correct
 
 
 def certified_radius(steps: Sequence[RadiusMap], margins: Tensor, pair_norms: Tensor,

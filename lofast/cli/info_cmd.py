@@ -12,6 +12,7 @@ from rich.table import Table
 from lofast.cli.certify_cmd import PositiveFloat
 from lofast.cli.console import stderr as console
 from lofast.cli.console import stdout
+from lofast.config import DATASETS
 
 
 @click.command()
@@ -23,7 +24,7 @@ from lofast.cli.console import stdout
 @click.option("--sample", is_flag=True,
               help="Measure attention on the bundled sample of CIFAR-10 test images (the "
                    "first 50 of every class) instead of --data.")
-@click.option("--dataset", type=click.Choice(["cifar10", "svhn", "folder"]), default=None,
+@click.option("--dataset", type=click.Choice(DATASETS), default=None,
               help="Data set kind (default: the checkpoint's).")
 @click.option("--split", type=click.Choice(["test", "train"]), default="test", show_default=True)
 @click.option("--n", "limit", type=click.IntRange(min=1), default=None,

@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from lofast.cli.console import stderr as console
-from lofast.config import Loss, Schedule
+from lofast.config import DATASETS, Loss, Schedule
 
 # Exit code of a run stopped by --time-limit (EX_TEMPFAIL): not done, nothing wrong, resumable.
 EXIT_TIME_LIMIT = 75
@@ -39,7 +39,7 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
 
 
 @click.command()
-@click.option("--dataset", type=click.Choice(["cifar10", "svhn", "folder"]), default="cifar10",
+@click.option("--dataset", type=click.Choice(DATASETS), default="cifar10",
               show_default=True)
 @click.option("--data", "data_path", type=click.Path(path_type=Path), required=True,
               help="Data set location: official files, an image folder or a .tar(.gz) of one.")

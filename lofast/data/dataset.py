@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-SPLITS = ("train", "test")
+from lofast.config import SPLITS  # noqa: F401 - re-exported by lofast.data
 
 
 @dataclass(frozen=True, eq=False, repr=False)

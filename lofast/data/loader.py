@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
+from lofast.config import DATASETS
 from lofast.data._util import ARCHIVE_ERRORS, is_tar_name, open_tar_stream, reason
 from lofast.data.cache import cached
 from lofast.data.cifar import (
@@ -26,8 +27,6 @@ from lofast.data.imagefolder import (
 )
 from lofast.data.svhn import read_svhn, svhn_file_name
 from lofast.errors import DataError
-
-DATASETS = ("cifar10", "svhn", "folder")
 
 # What each layout is read with, and which `dataset` values it can serve.
 _READERS: dict[str, Callable[[Path, str], ImageDataset]] = {
