@@ -10,6 +10,7 @@ repeats any of it, and nothing here prints.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -234,37 +235,61 @@ def run_fallback(model: nn.Module, images: Tensor, records: Sequence[SampleRecor
 
 def run_attack(model: nn.Module, images: Tensor, records: Sequence[SampleRecord],
                eps: Sequence[float], settings: AttackSettings) -> None:
-    """Mark each open sample falsified at each eps where a counterexample is found: a
-    misclassified sample is its own (norm 0); a correctly classified, uncertified one is
-    attacked with PGD at eps (smallest eps first; a counterexample found at one eps serves every
-    larger one). Certified samples are never attacked; images (B, C, H, W) in [0, 1] in the
-    records' order. A counterexample is re-checked in float64 before it is reported, and one
-    found for a certified sample raises CertificationError (the certificate would be broken)."""
-    from lofast.attack import pgd_attack
+    """Measure how far each sample's certificate is from the nearest counterexample found, and
+    mark each open sample falsified at each eps where one is found (images (B, C, H, W) in
+    [0, 1] in the records' order; the model in float64, the caller's keeps its precision):
 
-    model64 = copy.deepcopy(model).double().eval()  # the caller's model keeps its precision
+    - every correctly classified sample, certified or not, gets the minimum-norm attack
+      (``attack.minimum_norm_attack``); a misclassified sample is its own counterexample
+      (norm 0). The smallest norm found is the record's ``adversarial_radius`` (None where
+      nothing was found);
+    - PGD at each eps (smallest first) on the samples no verifier certified there and no
+      counterexample within eps covers yet; a smaller counterexample replaces the one kept.
+
+    Every counterexample is re-checked in float64 before it is reported; one within a certified
+    radius raises CertificationError (the certificate would be broken)."""
+    from lofast.attack import minimum_norm_attack, pgd_attack
+
+    model64 = copy.deepcopy(model).double().eval()
     x = images.double()
     found: dict[int, tuple[Tensor, int]] = {}  # sample -> (perturbation, adversarial class)
+    correct = [b for b, r in enumerate(records) if r.prediction == r.label]
     for b, r in enumerate(records):
         if r.prediction != r.label:
             found[b] = (torch.zeros_like(x[b]), r.prediction)
+    if correct:
+        labels = torch.tensor([records[b].label for b in correct])
+        nearest = minimum_norm_attack(model64, x[correct], labels, steps=settings.steps,
+                                      box=settings.box)
+        for i, b in enumerate(correct):
+            if nearest.found[i]:
+                found[b] = (nearest.perturbation[i], int(nearest.adversarial_class[i]))
+
+    def size(b: int) -> float:
+        return float(found[b][0].norm()) if b in found else math.inf
+
     for e in eps:
         key = eps_key(e)
-        todo = [b for b, r in enumerate(records) if not r.verdicts[key] and b not in found]
+        todo = [b for b, r in enumerate(records) if not r.verdicts[key] and not size(b) <= e]
         if todo:
             labels = torch.tensor([records[b].label for b in todo])
             result = pgd_attack(model64, x[todo], labels, e, steps=settings.steps,
                                 restarts=settings.restarts, seed=settings.seed, box=settings.box)
             for i, b in enumerate(todo):
-                if result.found[i]:
+                if result.found[i] and float(result.norm[i]) < size(b):
                     found[b] = (result.perturbation[i], int(result.adversarial_class[i]))
-        for b, record in enumerate(records):
-            falsified = b in found and float(found[b][0].norm()) <= e
-            if falsified and record.verdicts[key]:
-                raise CertificationError(f"sample {record.index} is certified at eps={key} and "
-                                         "has a counterexample: the certificate is unsound")
-            record.falsified[key] = falsified
-            if falsified:
+    for b, record in enumerate(records):
+        record.adversarial_radius = size(b) if b in found else None
+        certified_to = max([float(k) for k, v in record.verdicts.items() if v]
+                           + [record.radius])  # every verifier's, LoFAST's radius included
+        if certified_to > 0 and size(b) <= certified_to:
+            raise CertificationError(
+                f"sample {record.index} is certified to radius {certified_to:.6g} and has a "
+                f"counterexample at distance {size(b):.6g}: the certificate is unsound")
+        for e in eps:
+            key = eps_key(e)
+            record.falsified[key] = size(b) <= e
+            if record.falsified[key]:
                 record.counterexamples[key] = _describe(found[b], x[b], record, key,
                                                         settings.save_dir)
 

@@ -52,6 +52,16 @@ class SampleRecord:
     # "falsified"), "bound" (its lower bound on the smallest margin, or None), "domains"
     # (subdomains bounded by branch and bound, or None), "seconds"}. Empty in older files.
     fallback: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # With --attack: the smallest l2 distance at which an attack changed the prediction (0 when
+    # misclassified; None where none was found, or no attack ran). radius / adversarial_radius
+    # says how much of the robustness the attack cannot break the certificate shows.
+    adversarial_radius: float | None = None
+
+    @property
+    def certified_radius(self) -> float:
+        """The largest radius certified by any verifier: LoFAST's radius, or a larger eps a
+        fallback verifier certified."""
+        return max([self.radius] + [float(k) for k, v in self.verdicts.items() if v])
 
     def verdict(self, key: str) -> str:
         """"certified", "falsified" or "unknown" at eps key (VNN-COMP's three verdicts)."""
@@ -75,7 +85,8 @@ RECORD_FIELDS: dict[str, tuple[type, ...]] = {
     "run": (dict,),
 }
 OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"falsified": (dict,), "counterexamples": (dict,),
-                                                 "fallback": (dict,)}
+                                                 "fallback": (dict,),
+                                                 "adversarial_radius": (int, float, type(None))}
 
 
 def _lock(handle) -> bool:
@@ -260,6 +271,13 @@ class Summary:
     # certificate nor a counterexample. 1 - falsified bounds robust accuracy from above.
     falsified: dict[str, float] = field(default_factory=dict)
     unknown: dict[str, float] = field(default_factory=dict)
+    # With --attack: per eps, the share with no counterexample (>= robust accuracy >= certified
+    # accuracy); over the correctly classified samples with a counterexample, the median
+    # adversarial radius and the median of certified radius / adversarial radius (1: the
+    # certificate shows all the robustness no attack breaks).
+    not_falsified: dict[str, float] = field(default_factory=dict)
+    median_adversarial_radius: float | None = None
+    median_radius_ratio: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -286,6 +304,10 @@ def summarize(records: Sequence[SampleRecord], eps: Sequence[float], total_secon
             verdicts = [r.verdict(key) for r in records]
             falsified[key] = verdicts.count("falsified") / n
             unknown[key] = verdicts.count("unknown") / n
+    attacked = [r for r in records
+                if r.prediction == r.label and r.adversarial_radius is not None]
+    adversarial = [r.adversarial_radius for r in attacked]
+    ratios = [r.certified_radius / r.adversarial_radius for r in attacked]
     radii = [r.radius for r in records]
     fallback = sum(sum(r.fallback_seconds.values()) for r in records)
     lofast = sum(r.seconds for r in records) - fallback
@@ -308,6 +330,9 @@ def summarize(records: Sequence[SampleRecord], eps: Sequence[float], total_secon
         stage_seconds=stage_seconds,
         falsified=falsified,
         unknown=unknown,
+        not_falsified={key: 1.0 - share for key, share in falsified.items()},
+        median_adversarial_radius=statistics.median(adversarial) if adversarial else None,
+        median_radius_ratio=statistics.median(ratios) if ratios else None,
     )
 
 
@@ -321,10 +346,14 @@ def summary_rows(summary: Summary) -> dict[str, str]:
         rows[f"certified accuracy @ eps={shown}"] = (f"{value:.2%}"
                                                      + (f"  ({detail})" if len(by) > 1 else ""))
         if key in summary.falsified:
-            rows[f"  falsified / unknown @ eps={shown}"] = (f"{summary.falsified[key]:.2%} / "
-                                                            f"{summary.unknown[key]:.2%}")
+            rows[f"  not falsified @ eps={shown}"] = (
+                f"{summary.not_falsified[key]:.2%}  (unknown {summary.unknown[key]:.2%})")
     rows["median / mean certified radius"] = (f"{summary.median_radius:.4f} / "
                                               f"{summary.mean_radius:.4f}")
+    if summary.median_adversarial_radius is not None:
+        rows["median adversarial radius"] = f"{summary.median_adversarial_radius:.4f}"
+    if summary.median_radius_ratio is not None:
+        rows["median cert. / adv. radius"] = f"{summary.median_radius_ratio:.3f}"
     rows["time per sample"] = f"{summary.mean_ms_per_sample:.2f} ms"
     for stage, seconds in summary.stage_seconds.items():
         if len(summary.stage_seconds) > 1:

@@ -13,6 +13,7 @@ from PIL import Image
 from lofast.attack import pgd_attack
 from lofast.checkpoint import load_checkpoint
 from lofast.cli.main import cli
+from lofast.pipeline import run_attack
 
 pytestmark = pytest.mark.usefixtures("shared_cache")
 
@@ -128,6 +129,93 @@ def test_attack_gives_three_verdicts(checkpoint, data_dir, tmp_path):
                 assert int(model(image).argmax()) == found["class"] != r["label"]
     assert summary["falsified"]["0.5"] >= summary["falsified"]["0.02"] > 0
     assert len(list(saved.glob("*.npz"))) == sum(len(r["counterexamples"]) for r in records)
+    # how far each certificate is from the nearest counterexample found
+    for r in records:
+        adversarial = r["adversarial_radius"]
+        assert adversarial is not None  # the untrained tiny model: every sample breaks
+        assert (adversarial == 0) == (r["prediction"] != r["label"])
+        certified_to = max([r["radius"]] + [float(k) for k, v in r["verdicts"].items() if v])
+        assert adversarial > certified_to or adversarial == certified_to == 0
+        for key in ("0.02", "0.5"):  # falsified exactly where a counterexample lies within eps
+            assert r["falsified"][key] == (adversarial <= float(key))
+    for key, share in summary["not_falsified"].items():
+        assert share == pytest.approx(1 - summary["falsified"][key])
+
+
+def test_tightness_of_the_certificates_is_reported(trained, tmp_path):
+    """With an attack, the API's summary and ``lofast report`` give the median certified /
+    adversarial radius over the correctly classified samples (in (0, 1]: no certificate
+    reaches past a counterexample) and the not-falsified share beside the certified one."""
+    import lofast
+    from lofast.config import AttackSettings
+    from lofast.data import ImageDataset
+
+    model, x, y = trained
+    pixels = (x[:12] * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    data = ImageDataset(images=np.ascontiguousarray(pixels), labels=y[:12].numpy(),
+                        classes=("a", "b", "c", "d"), name="folder")
+    out = tmp_path / "run.jsonl"
+    run = lofast.certify(model, data, eps=[0.05, 1.0], attack=AttackSettings(steps=30,
+                         restarts=1), out=out, device="cpu")
+    summary = run.summary
+    ratios = [r.certified_radius / r.adversarial_radius for r in run.records
+              if r.prediction == r.label]
+    assert len(ratios) >= 8 and all(0 < q < 1 for q in ratios)
+    assert summary.median_radius_ratio == pytest.approx(float(np.median(ratios)))
+    for key in ("0.05", "1.0"):
+        assert (summary.certified_accuracy[key] <= summary.not_falsified[key]
+                == pytest.approx(1 - summary.falsified[key]))
+    shown = json.loads(CliRunner().invoke(cli, ["report", str(out), "--json"]).stdout)[str(out)]
+    assert shown["median_radius_ratio"] == summary.median_radius_ratio
+    assert shown["median_adversarial_radius"] == summary.median_adversarial_radius
+
+
+def test_minimum_norm_attack_finds_a_planted_counterexample(trained):
+    """Images just before the decision boundary on the segment towards an image of another
+    class: the attack's adversarial radius is at most the planted distance (it may find a
+    nearer one), its counterexample changes the prediction in float64 and lies in the box."""
+    from lofast.attack import minimum_norm_attack
+
+    model, x, y = trained
+    model = copy.deepcopy(model).double()
+    x = x.double()
+    predicted = model(x).argmax(dim=1)
+    starts, distances, labels = [], [], []
+    for a in torch.nonzero(predicted == y)[:6, 0].tolist():
+        b = int(torch.nonzero(predicted != predicted[a])[0])
+        low, high = 0.0, 1.0
+        for _ in range(40):
+            mid = (low + high) / 2
+            same = model((x[a] + mid * (x[b] - x[a]))[None]).argmax() == predicted[a]
+            low, high = (mid, high) if same else (low, mid)
+        start = x[a] + (low - 0.02) * (x[b] - x[a])  # 2 % of the segment before the boundary
+        starts.append(start)
+        distances.append(float((x[a] + high * (x[b] - x[a]) - start).norm()))
+        labels.append(int(predicted[a]))
+    result = minimum_norm_attack(model, torch.stack(starts), torch.tensor(labels), steps=30)
+    assert result.found.all()
+    assert (result.norm <= torch.tensor(distances, dtype=torch.float64) * (1 + 1e-6)).all()
+    adversarial = torch.stack(starts) + result.perturbation
+    assert adversarial.min() >= 0 and adversarial.max() <= 1
+    assert (model(adversarial).argmax(dim=1) == result.adversarial_class).all()
+    assert (result.adversarial_class != torch.tensor(labels)).all()
+    assert torch.allclose(result.norm, result.perturbation.flatten(1).norm(dim=1))
+
+
+def test_a_certificate_beyond_a_counterexample_stops_the_run(trained):
+    """The attack's end-to-end check: a record claiming a radius beyond a counterexample the
+    attack finds is reported as unsound, not written."""
+    from lofast.certificate import Certifier
+    from lofast.config import AttackSettings
+    from lofast.errors import CertificationError
+    from lofast.pipeline import _batch_records
+
+    model, x, y = trained
+    records, _ = _batch_records(Certifier(model), x[:4], y[:4], range(4), [0.05], {})
+    certified = next(r for r in records if r.radius > 0)
+    certified.radius *= 100  # a certificate no sound bound gives
+    with pytest.raises(CertificationError, match="unsound"):
+        run_attack(model, x[:4], records, [0.05], AttackSettings(steps=20, restarts=1))
 
 
 def test_save_adversarial_needs_attack(checkpoint, data_dir, tmp_path):
@@ -147,7 +235,7 @@ def test_report_summarises_compares_and_plots_saved_runs(checkpoint, data_dir, t
                                 str(tmp_path / "naive.jsonl"), "--plot", str(plot)])
     assert shown.exit_code == 0, shown.output
     assert "lofast.jsonl" in shown.output and "naive.jsonl" in shown.output
-    assert "falsified / unknown" in shown.output
+    assert "not falsified @" in shown.output
     with Image.open(plot) as image:
         image.verify()
     with Image.open(plot) as image:

@@ -100,9 +100,11 @@ class Shard(click.ParamType):
               help="Seconds the fallback may spend on one sample (branch and bound stops "
                    "there with an unknown verdict).")
 @click.option("--attack", is_flag=True,
-              help="Run l2 PGD on the samples no verifier certified: a sample with an "
-                   "adversarial example is falsified, the rest unknown (the summary shows "
-                   "certified / falsified / unknown per eps).")
+              help="Attack in float64 after the verifiers: a minimum-norm attack on every "
+                   "correctly classified sample (its adversarial radius, beside the certified "
+                   "one) and l2 PGD at each eps on the samples still open. The summary shows "
+                   "certified against not-falsified accuracy per eps and the median certified "
+                   "/ adversarial radius.")
 @click.option("--attack-steps", type=click.IntRange(1, MAX_ATTACK_STEPS),
               default=AttackSettings.steps, show_default=True)
 @click.option("--attack-restarts", type=click.IntRange(1, MAX_ATTACK_RESTARTS),
