@@ -25,7 +25,7 @@ from lofast.bounds.spectral import (
     matrix_norm_upper,
     weakest_guarantee,
 )
-from lofast.bounds.stages import EmbedSpec, HeadSpec, StageSpec, check_stage, radius_maps
+from lofast.bounds.stages import EmbedSpec, HeadSpec, StageSpec, radius_maps
 from lofast.config import CERTIFY_DEFAULTS, GUARANTEES, KAPPAS, Bound
 from lofast.errors import CertificationError
 from lofast.models.vit import LipschitzViT
@@ -125,11 +125,12 @@ class BatchCertificate:
 
 
 class VerifiedNorms:
-    """The certificate's ``bounds.stages.StageNorms``: sound float64 upper bounds (or, with a
+    """The certificate's ``bounds.stage.StageRules``: sound float64 upper bounds (or, with a
     weaker guarantee, the method's norms); per-model quantities computed once."""
 
     def __init__(self, settings: CertifySettings, generator: torch.Generator) -> None:
         self.settings = settings
+        self.local_projection = settings.local_projection
         self.generator = generator
         self.embedding_norms: dict[int, float] = {}
 
@@ -211,7 +212,7 @@ class Certifier:
         if not isinstance(self.structure[0], EmbedSpec) or not isinstance(self.structure[-1], HeadSpec):
             raise CertificationError("model must start with a patch embedding and end with a head")
         for i, spec in enumerate(self.structure):
-            check_stage(spec, i)
+            spec.check(i)
         self.norms = VerifiedNorms(self.settings,
                                    torch.Generator(device=self.device).manual_seed(self.settings.seed))
 
@@ -230,8 +231,7 @@ class Certifier:
         logits, activations = self.model.forward_with_activations(x)
         if not torch.isfinite(logits).all():
             raise CertificationError("the model's output is not finite on these images")
-        steps = radius_maps(self.structure, activations, self.norms,
-                            self.settings.local_projection)
+        steps = radius_maps(self.structure, activations, self.norms)
         attention = [step for step in steps if isinstance(step, AttentionSensitivity)]
         guarantee = weakest_guarantee(*(step.guarantee for step in attention))
         failure = sum(step.failure_probability for step in attention)
@@ -239,8 +239,7 @@ class Certifier:
         true_logit = logits.gather(1, labels[:, None])
         margins = true_logit - logits
         margins.scatter_(1, labels[:, None], math.inf)
-        pair_norms = torch.linalg.vector_norm(head.weight[labels][:, None, :] - head.weight[None],
-                                              dim=-1)
+        pair_norms = head.pair_norms(labels)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return BatchCertificate(labels=labels, predictions=logits.argmax(dim=1), margins=margins,

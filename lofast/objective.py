@@ -14,9 +14,9 @@ from lofast.training_bound import TrainingBound
 
 
 def head_pair_norms(model: LipschitzViT, labels: Tensor) -> Tensor:
-    """||w_y - w_j|| for every sample and class j, (B, C); zero at j = y."""
-    weight = model.stages[-1].effective_weight()
-    return torch.linalg.vector_norm(weight[labels][:, None, :] - weight[None], dim=-1)
+    """||w_y - w_j|| for every sample and class j, (B, C), with gradients; zero at j = y
+    (``HeadSpec.pair_norms``, as the certificate takes them)."""
+    return model.stages[-1].spec(differentiable=True).pair_norms(labels)
 
 
 def training_loss(model: LipschitzViT, logits: Tensor, labels: Tensor, config: TrainConfig,

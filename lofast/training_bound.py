@@ -27,7 +27,7 @@ class TrainingBound:
     """Computes logits and the pooled-feature radius for an image radius, batch by batch.
 
     The stages are walked by ``bounds.stages.radius_maps``, the certifier's walk, with this
-    object as the ``StageNorms``: the embedding norm by repeated squaring of its Gram matrix
+    object as the ``StageRules``: the embedding norm by repeated squaring of its Gram matrix
     (no solver), attention from ``attention_sensitivity_estimate``. It holds, for every
     attention stage, the final power-iteration vectors of the first WARM_STARTS samples of the
     last call, and starts the next call's samples from them in turn; ``state``/``load_state``
@@ -40,6 +40,7 @@ class TrainingBound:
     # benchmarks/warm_starts.py), and keep the training state small (one per sample of a batch
     # of 1024 at width 256: 214 MB)
     WARM_STARTS = 16
+    local_projection = True  # the certifier's default
 
     def __init__(self, iterations: int = 2, kappa: float = 0.5, softmax_jacobian: bool = True,
                  generator: torch.Generator | None = None) -> None:

@@ -30,7 +30,7 @@ FILES_LONGEST_FIRST = (
     "test_bounds_near_reference.py", "test_verdicts.py", "test_attention_report.py",
     "test_hostile_inputs.py", "test_data.py", "test_bounds_coordinate_jacobian.py",
     "test_bounds_deflation.py", "test_api.py", "test_crown.py", "test_checkpoint.py",
-    "test_bounds_compose.py")
+    "test_stage_protocol.py", "test_bounds_compose.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -148,7 +148,7 @@ def test_first_projection_bound_skips_the_class_token(monkeypatch):
     def first_two_steps(certifier):  # the certifier's own walk, over its first two stages
         _, activations = certifier.model.forward_with_activations(x)
         # (the walk maps every stage before the last spec it is given, taken as the head)
-        steps = radius_maps(certifier.structure[:3], activations[:2], certifier.norms, True)
+        steps = radius_maps(certifier.structure[:3], activations[:2], certifier.norms)
         assert len(steps) == 2
         return steps
 
@@ -287,7 +287,7 @@ def test_bad_inputs(trained):
 def test_sll_check_is_a_rigorous_proof():
     """An SLL layer passes only with a proof that diag(t) - W^T W is PSD, rounding included:
     refused when its critical scale is missed by 1e-13, accepted with the model's own margin."""
-    from lofast.bounds.stages import SLLSpec, check_stage, sll_scaled_norm_upper
+    from lofast.bounds.stages import SLLSpec, sll_scaled_norm_upper
 
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(16, 48, generator=g, dtype=torch.float64)
@@ -295,9 +295,8 @@ def test_sll_check_is_a_rigorous_proof():
     critical = torch.linalg.matrix_norm(weight / q.sqrt(), ord=2) ** 2  # t = c q is PSD iff c >= this
     assert 1.0 <= sll_scaled_norm_upper(weight, q * critical) <= 1.0 + 2e-6
     with pytest.raises(CertificationError, match="not provably 1-Lipschitz"):
-        check_stage(SLLSpec(weight, torch.zeros(48, dtype=torch.float64),
-                            q * critical * (1 - 1e-13)), 0)
-    check_stage(SLLSpec(weight, torch.zeros(48, dtype=torch.float64), q * critical * (1 + 1e-4)), 0)
+        SLLSpec(weight, torch.zeros(48, dtype=torch.float64), q * critical * (1 - 1e-13)).check(0)
+    SLLSpec(weight, torch.zeros(48, dtype=torch.float64), q * critical * (1 + 1e-4)).check(0)
 
 
 def test_non_finite_position_bias_is_refused_by_the_certifier():

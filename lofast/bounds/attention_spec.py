@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lofast.bounds.coordinate_jacobian import (
     CoordinateAttention,
@@ -33,11 +33,14 @@ from lofast.bounds.first_order import (
     uniform_mix_norm,
     verified_reference_norm,
 )
+from lofast.bounds.plain import PlainAttention
 from lofast.bounds.spectral import matrix_norm_upper
+from lofast.bounds.stage import Stage, StageRules
+from lofast.errors import CertificationError
 
 
 @dataclass(frozen=True)
-class AttentionSpec:
+class AttentionSpec(Stage):
     """Weights of one attention block, per head l = 1..h.
 
     query, key: (h, d, dh) Wq_l, Wk_l; value: (h, d, dv) Wv_l; output: (h, dv, d) Wo_l;
@@ -76,9 +79,25 @@ class AttentionSpec:
             # a bias being trained (with gradients) is not read back: that would wait for the
             # device at every block of every step and cut a compiled step's graph; its
             # non-finite values show in the loss, which training checks, and a certificate's
-            # specs are checked again, all of them, by ``stages.check_stage``
+            # specs are checked again, all of them, by ``Stage.check``
             if not bias.requires_grad and not bool(torch.isfinite(bias).all()):
                 raise ValueError("position bias contains NaN or infinity")
+
+    def radius_map(self, index: int, tokens: Tensor, moving: slice, rules: StageRules):
+        """The LoFAST local bound at the clean tokens, as the rules take it."""
+        return rules.attention(index, tokens, self)
+
+    def reach(self, moving: slice) -> slice:
+        return slice(None)  # every token is mixed into every other
+
+    def check(self, index: int) -> None:
+        super().check(index)
+        if not (self.residual and self.scale > 0):
+            raise CertificationError(f"stage {index}: attention must be residual with scale > 0")
+
+    def plain(self) -> nn.Module:
+        return PlainAttention(self.query, self.key, self.value, self.output, self.residual,
+                              self.scale, self.position_bias)
 
     @property
     def heads(self) -> int:

@@ -47,7 +47,6 @@ def info(checkpoint: Path, data_path, sample, dataset, split, limit, eps_values,
     """
     from lofast.bounds.attention_spec import AttentionSpec
     from lofast.bounds.spectral import matrix_norm_upper
-    from lofast.bounds.stages import stage_lipschitz
     from lofast.checkpoint import load_checkpoint, read_metadata
     from lofast.errors import LofastError
 
@@ -70,7 +69,7 @@ def info(checkpoint: Path, data_path, sample, dataset, split, limit, eps_values,
     for column in ("#", "stage", "Lipschitz constant", "notes"):
         table.add_column(column)
     for i, spec in enumerate(model.structure()):
-        constant = stage_lipschitz(spec)
+        constant = spec.lipschitz()
         notes = ""
         if isinstance(spec, AttentionSpec):
             value = matrix_norm_upper(spec.value @ spec.output).max().item()

@@ -170,6 +170,10 @@ class PatchEmbed(HoldsCappedWeights, nn.Module):
 
     def spec(self, differentiable: bool = False) -> EmbedSpec:
         return EmbedSpec(weight=_spec_tensor(self.effective_weight(), differentiable),
+                         bias=_spec_tensor(self.bias, differentiable),
+                         position=_spec_tensor(self.position, differentiable),
+                         class_token=_spec_tensor(self.cls_token, differentiable),
+                         center=float(self.center), patch_size=self.patch_size,
                          constant_tokens=self.constant_tokens)
 
 
