@@ -479,3 +479,37 @@ def test_augment_crops_and_flips_from_its_generator():
     chosen = matches.float().argmax(dim=1)
     assert (chosen >= 81).any() and (chosen < 81).any()  # flipped and not
     assert len(set((chosen % 81).tolist())) > 20  # many offsets
+
+
+def test_an_eval_model_computes_its_exact_caps_once_until_a_weight_changes(monkeypatch):
+    """Inference (eval mode, no gradient recorded for the weights) pays the SVDs of the exact
+    caps on the first forward pass only; changing a weight in place, or moving the model,
+    computes them again; the outputs equal those of the caps computed afresh."""
+    from lofast.models import layers
+
+    model = create_model(preset("tiny", num_classes=4), seed=0).eval()
+    x = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        fresh = model(x)  # before counting
+    exact = []
+    original = layers.spectral_norm
+    monkeypatch.setattr(layers, "spectral_norm", lambda w, exact_=False, **k: (
+        exact.append(k.get("exact", exact_)), original(w, k.get("exact", exact_)))[1])
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), fresh)
+        assert exact == []  # kept since the forward pass above
+        model.stages[2].weights["value"].add_(0.1)  # in place: a new direction
+        changed = model(x)
+        assert exact and all(exact) and not torch.equal(changed, fresh)
+        count = len(exact)
+        model(x)
+        assert len(exact) == count
+        model.double()
+        model(x.double())
+        assert len(exact) > count
+    assert model.stages[0]._kept is not None
+    model.train()
+    with torch.no_grad():
+        model(x.double())  # training mode: estimated caps, never the kept exact ones
+    assert not all(exact[count:])

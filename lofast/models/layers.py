@@ -118,13 +118,32 @@ class HoldsCappedWeights:
     """For stages whose effective weights cost an SVD each (``_capped``): hold them once and
     reuse them until released. The raw weights must not change or move meanwhile.
     ``capped_weights``: the raw weights under a cap and their caps, by name; ``_capped`` may
-    be given their training estimates capped (name -> weight), taken with other stages'."""
+    be given their training estimates capped (name -> weight), taken with other stages'.
+
+    Without a hold, a module in eval mode that records no gradient for its weights (inference,
+    ``torch.no_grad``, weights that do not require one) computes its exact caps once and keeps
+    them until a weight or buffer changes (in place, replaced, or moved): a loaded model pays
+    its SVDs on the first forward pass only."""
 
     held = None
+    _kept = None  # (version key, capped weights) of the eval-mode cache
 
     def hold_effective_weights(self, hold: bool,
                                given: Mapping[str, Tensor] | None = None) -> None:
         self.held = self._capped(given) if hold else None
+
+    def _effective(self):
+        """The effective weights now: held, kept (above), or computed afresh."""
+        if self.held is not None:
+            return self.held
+        tensors = [*self.parameters(), *self.buffers()]
+        if self.training or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            return self._capped()
+        # every in-place change bumps a tensor's version; a new tensor has a new address
+        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+        if self._kept is None or self._kept[0] != key:
+            self._kept = (key, self._capped())
+        return self._kept[1]
 
 
 class PatchEmbed(HoldsCappedWeights, nn.Module):
@@ -153,7 +172,7 @@ class PatchEmbed(HoldsCappedWeights, nn.Module):
                              exact=not self.training, capped=given)["weight"]
 
     def effective_weight(self) -> Tensor:
-        return self.held if self.held is not None else self._capped()
+        return self._effective()
 
     def patchify(self, x: Tensor) -> Tensor:
         """(B, C, H, W) -> (B, n_patches, C*p*p), row-major patches; an isometry."""
@@ -278,7 +297,7 @@ class Attention(HoldsCappedWeights, nn.Module):
         return left * columns, right * columns
 
     def effective_weights(self) -> dict[str, Tensor]:
-        return self.held if self.held is not None else self._capped()
+        return self._effective()
 
     def _split_heads(self, x: Tensor) -> Tensor:
         b, n, _ = x.shape
