@@ -19,7 +19,7 @@ from safetensors.torch import load_file, safe_open, save_file
 from lofast import __version__
 from lofast.config import ModelConfig
 from lofast.errors import CheckpointError, LofastError
-from lofast.files import atomic_write
+from lofast.files import atomic_write, check_readable
 from lofast.models.vit import LipschitzViT
 
 FORMAT = "lofast-checkpoint-1"
@@ -37,8 +37,7 @@ def save_checkpoint(path: str | os.PathLike, model: LipschitzViT,
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """The checkpoint's metadata with JSON values decoded; 'model_config' as a dict."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint not found: {path}")
+    check_readable(path, "checkpoint", CheckpointError)
     try:
         with safe_open(str(path), framework="pt") as f:
             raw = f.metadata() or {}

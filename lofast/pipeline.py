@@ -374,13 +374,16 @@ def _batch_records(certifier: Certifier, images: Tensor, labels: Tensor, indices
     predictions = cert.predictions.cpu()
     per_sample = cert.seconds / len(indices)
     keys = [eps_key(e) for e in eps]
+    finite = torch.isfinite(feature)  # a bound that overflowed certifies nothing
     records = [
         SampleRecord(
             index=int(i), label=int(labels[b]), prediction=int(predictions[b]),
             margin=float(margin[b]), radius=float(radius[b]),
             verdicts={key: bool(verdicts[b, k]) for k, key in enumerate(keys)},
-            bounds={key: float(feature[b, k]) for k, key in enumerate(keys)},
+            bounds={key: float(feature[b, k]) if finite[b, k] else None
+                    for k, key in enumerate(keys)},
             verifiers={key: "lofast" if verdicts[b, k] else None for k, key in enumerate(keys)},
+            reasons={key: "bound overflow" for k, key in enumerate(keys) if not finite[b, k]},
             seconds=per_sample, run=run)
         for b, i in enumerate(indices)]
     return records, cert.failure_probability

@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from lofast.errors import LofastError
+from lofast.files import atomic_write
 from lofast.report import SampleRecord
 
 INSTALL_HINT = 'pip install matplotlib  (or: pip install -e ".[report]")'
+FORMATS = (".png", ".pdf", ".svg")  # what --plot writes, by the file's suffix
+
+
+def check_plot_path(path: Path, inputs: Sequence[Path] = ()) -> None:
+    """Refuse, in one line, a plot path with a suffix not in FORMATS, one that names an input
+    (a record file would be replaced by the picture), or an existing path that is not a regular
+    file (a device such as /dev/full would be replaced by the rename)."""
+    if path.exists() and any(Path(i).exists() and os.path.samefile(path, i) for i in inputs):
+        raise LofastError(f"--plot {path} is one of the runs to report; choose another file")
+    if path.suffix.lower() not in FORMATS:
+        raise LofastError(f"--plot {path}: the file name must end in {', '.join(FORMATS)}")
+    if path.exists() and not path.is_file():
+        raise LofastError(f"--plot {path} exists and is not a regular file")
 
 
 def certified_curve(records: Sequence[SampleRecord], eps: np.ndarray) -> np.ndarray:
@@ -26,6 +41,7 @@ def robustness_plot(runs: Mapping[str, Sequence[SampleRecord]], path: Path,
     (a lower bound on robust accuracy at every eps), the certified share at the run's eps
     values as markers (fallback verifiers included), and, where an attack ran, 1 - the
     falsified share (an upper bound on robust accuracy) as a dashed line."""
+    check_plot_path(path)
     try:
         import matplotlib
 
@@ -59,8 +75,9 @@ def robustness_plot(runs: Mapping[str, Sequence[SampleRecord]], path: Path,
         axes.grid(alpha=0.3)
         axes.legend(fontsize="small")
         axes.set_title("robustness curve")
-        try:
-            figure.savefig(path, dpi=100)
+        try:  # a whole file or none: written beside it, then renamed into place
+            atomic_write(path, lambda tmp: figure.savefig(tmp, dpi=100,
+                                                          format=path.suffix.lower()[1:]))
         except OSError as e:
             raise LofastError(f"cannot write {path}: {e.strerror or e}") from None
     finally:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 
 from lofast.errors import LofastError
+from lofast.files import check_readable, read_lines
 
 if TYPE_CHECKING:
     from lofast.attention_report import AttentionReport
@@ -121,6 +122,8 @@ class RecordWriter:
             raise LofastError(f"{path} is a folder; --out names the record file to write")
         if path.exists() and not resume:
             raise LofastError(f"{path} exists; pass --resume to continue it or choose another --out")
+        if resume and path.exists():  # opening a FIFO would wait, reading /dev/zero never end
+            check_readable(path, "record file")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             # "a+b" creates the file, never truncates it, and appends every write
@@ -134,9 +137,8 @@ class RecordWriter:
         try:
             if resume:
                 handle.seek(0)
-                content = handle.read()
-                self.done, valid = parse_records(content, path, eps, run)
-                if valid < len(content):
+                self.done, valid = parse_records(read_lines(handle, path), path, eps, run)
+                if valid < handle.seek(0, os.SEEK_END):
                     handle.truncate(valid)  # drop the torn last line, nothing else
         except BaseException:
             handle.close()
@@ -162,8 +164,9 @@ class RecordWriter:
 
 
 def record_from_json(values: Any) -> SampleRecord:
-    """A SampleRecord from one decoded JSON line; ValueError where a field is missing, unknown
-    or of the wrong type."""
+    """A SampleRecord from one decoded JSON line; ValueError where a field is missing, unknown,
+    of the wrong type, or out of range (a radius that is not a finite number >= 0, an eps key
+    that is not a positive radius in its exact text form, verdicts missing)."""
     if not isinstance(values, dict) or not (
             set(RECORD_FIELDS) <= set(values) <= set(RECORD_FIELDS) | set(OPTIONAL_FIELDS)):
         raise ValueError("not a record")
@@ -173,25 +176,63 @@ def record_from_json(values: Any) -> SampleRecord:
         # bool is an int to Python, never a number to us
         if not isinstance(values[name], types) or isinstance(values[name], bool):
             raise ValueError(f"field {name} has the wrong type")  # noqa: TRY004 - one error kind
-    if not all(isinstance(v, bool) for v in values["verdicts"].values()):
+    keys = set(values["verdicts"])
+    if not keys or not all(_is_eps_key(k) for k in keys):
+        raise ValueError("verdicts must be keyed by eps")
+    for name in ("bounds", "verifiers", "reasons", "fallback_seconds", "falsified",
+                 "counterexamples", "fallback"):
+        if not set(values.get(name, {})) <= keys:
+            raise ValueError(f"{name} has keys that are not the record's eps")
+    if not all(isinstance(v, bool) for v in values["verdicts"].values()) or not all(
+            isinstance(v, bool) for v in values.get("falsified", {}).values()):
         raise ValueError("verdicts must be true or false")
+    if not all(v is None or isinstance(v, str) for v in values["verifiers"].values()):
+        raise ValueError("verifiers must be names")
+    numbers = [values["margin"], values["radius"], values["seconds"],
+               *values["bounds"].values()]
+    if values.get("adversarial_radius") is not None:
+        numbers.append(values["adversarial_radius"])
+    if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                             and math.isfinite(v)) for v in numbers):
+        raise ValueError("numbers must be finite")
+    if min(values["index"], values["label"], values["radius"], values["seconds"]) < 0:
+        raise ValueError("index, label, radius and seconds must be >= 0")
     return SampleRecord(**values)
 
 
-def parse_records(content: bytes, path: Path, eps: Sequence[float] | None = None,
+def _is_eps_key(key: str) -> bool:
+    """Whether key is eps_key(e) of a positive finite radius e."""
+    try:
+        value = float(key)
+    except ValueError:
+        return False
+    return math.isfinite(value) and value > 0 and eps_key(value) == key
+
+
+def _no_constants(name: str) -> float:
+    raise ValueError(f"{name} is not a number a record holds")
+
+
+def parse_records(lines: Iterable[bytes], path: Path, eps: Sequence[float] | None = None,
                   run: dict[str, Any] | None = None) -> tuple[dict[int, SampleRecord], int]:
-    """Records of a JSONL file's bytes by index, and the length of its valid part (all but a
-    torn final line). A file that is not ours, or whose records were made for other eps values
-    or other run settings than given (or, where none are given, than its first record's), is
-    refused with LofastError."""
+    """Records of a JSONL file's lines (``files.read_lines``) by index, and the length of its
+    valid part (all but a torn final line). A file that is not ours, or whose records were
+    made for other eps values or other run settings than given (or, where none are given,
+    than its first record's), is refused with LofastError naming the file and line."""
     records: dict[int, SampleRecord] = {}
     keys = None if eps is None else {eps_key(e) for e in eps}
-    lines = content.split(b"\n")
     valid = 0
-    for number, line in enumerate(lines[:-1], 1):
+    torn = b""
+    for number, line in enumerate(lines, 1):
+        if torn:  # a line without its break was not the last one
+            raise LofastError(f"{path}:{number - 1}: not a lofast record")
+        if not line.endswith(b"\n"):
+            torn = line
+            continue
         try:
-            record = record_from_json(json.loads(line.decode("utf-8")))
-        except (UnicodeDecodeError, ValueError):
+            record = record_from_json(json.loads(line.decode("utf-8"),
+                                                 parse_constant=_no_constants))
+        except (UnicodeDecodeError, ValueError, RecursionError):
             raise LofastError(f"{path}:{number}: not a lofast record (a file lofast certify "
                               "--out writes)") from None
         keys = set(record.verdicts) if keys is None else keys
@@ -207,8 +248,7 @@ def parse_records(content: bytes, path: Path, eps: Sequence[float] | None = None
             raise LofastError(f"{path}: was written with other settings: {detail}; resume with "
                               "the same settings or choose another --out")
         records[record.index] = record
-        valid += len(line) + 1
-    torn = lines[-1]
+        valid += len(line)
     if torn and not (torn.startswith(RECORD_START) or RECORD_START.startswith(torn)):
         raise LofastError(f"{path}: not a lofast record file (its last line is not a record); "
                           "--resume continues only a file that lofast certify wrote")
@@ -217,12 +257,15 @@ def parse_records(content: bytes, path: Path, eps: Sequence[float] | None = None
 
 def read_run(path: Path) -> list[SampleRecord]:
     """The records of one `lofast certify --out` file, in file order (a torn last line left by
-    an interrupt is skipped); LofastError for a missing or foreign file."""
+    an interrupt is skipped); LofastError for a missing or foreign file, or one that is not a
+    regular file (a FIFO, a device)."""
+    path = Path(path)
+    check_readable(path, "record file")
     try:
-        content = Path(path).read_bytes()
+        with open(path, "rb") as handle:
+            records, _ = parse_records(read_lines(handle, path), path)
     except OSError as e:
         raise LofastError(f"cannot read {path}: {e.strerror or e}") from None
-    records, _ = parse_records(content, Path(path))
     if not records:
         raise LofastError(f"{path}: holds no records")
     return list(records.values())

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from lofast.config import Loss, Schedule, TrainConfig, plain_dict
 from lofast.errors import LofastError, TimeLimitReached
-from lofast.files import atomic_write
+from lofast.files import atomic_write, check_readable
 from lofast.models.vit import LipschitzViT
 from lofast.objective import CompiledObjective, TrainingObjective, scheduled_eps
 from lofast.training_bound import TrainingBound
@@ -373,6 +373,7 @@ def save_training_state(path: Path, model: LipschitzViT, optimizer: torch.optim.
 
 def load_training_state(path: Path) -> dict:
     """Read a state file written by save_training_state (tensors and plain data only)."""
+    check_readable(path, "training state")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch.load raises many types for corrupt files

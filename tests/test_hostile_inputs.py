@@ -4,6 +4,7 @@ exit, never a traceback, and leaves every file as it was; results are never lost
 import errno
 import hashlib
 import json
+import math
 import os
 
 import numpy as np
@@ -33,9 +34,9 @@ def assert_one_clear_error(result, *needles):
 
 
 def snapshot(folder):
-    """Path -> SHA-256 of every file below folder."""
+    """Path -> SHA-256 of every regular file below folder (and the names of the others)."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+            if p.is_file() else "not a file" for p in sorted(folder.rglob("*"))}
 
 
 def certify_args(checkpoint, data_dir, *extra):
@@ -97,6 +98,45 @@ BAD_INPUTS = {
     "train resume a binary state": (["train", "--dataset", "folder", "--data", "{data}",
                                      "--preset", "tiny", "--epochs", "1", "--out",
                                      "{work}/garbled.safetensors", "--resume"], "unreadable"),
+    # second round: reads that could never end or wait forever, plots over inputs, records
+    # with values no run writes, small gaps
+    "report /dev/zero": (["report", "/dev/zero"], "character device"),
+    "report a FIFO": (["report", "{work}/fifo.jsonl"], "FIFO"),
+    "resume /dev/full": (["certify", "--checkpoint", "{ckpt}", "--data", "{data}", "--eps",
+                          "0.1", "--out", "/dev/full", "--resume"], "character device"),
+    "checkpoint a device": (["certify", "--checkpoint", "/dev/null", "--eps", "0.1"],
+                            "character device"),
+    "plot over a run": (["report", "{work}/run.jsonl", "--plot", "{work}/run.jsonl"],
+                        "one of the runs"),
+    "plot of an unknown kind": (["report", "{work}/run.jsonl", "--plot", "{work}/curve.xyz"],
+                                "must end in"),
+    "plot over a FIFO": (["report", "{work}/run.jsonl", "--plot", "{work}/fifo.png"],
+                         "not a regular file"),
+    "plot to /dev/full": (["report", "{work}/run.jsonl", "--plot", "/dev/full"], "must end in"),
+    "record with a NaN radius": (["report", "{work}/nan.jsonl"], "nan.jsonl:1: not a lofast"),
+    "record with eps key abc": (["report", "{work}/abc.jsonl"], "abc.jsonl:1: not a lofast"),
+    "record without verdicts": (["report", "{work}/empty.jsonl"], "empty.jsonl:1: not a"),
+    "record with a numeric verifier": (["report", "{work}/verifier.jsonl"],
+                                       "verifier.jsonl:1: not a lofast"),
+    "record of 100,000 nested brackets": (["report", "{work}/nested.jsonl"],
+                                          "nested.jsonl:1: not a lofast"),
+    "train time limit nan": (["train", "--data", "{data}", "--time-limit", "nan", "--out",
+                              "{work}/m.safetensors"], "time_limit"),
+}
+
+# A valid record, and the values that hostile files put in its place.
+RECORD = {"index": 0, "label": 0, "prediction": 0, "margin": 1.0, "radius": 0.1,
+          "verdicts": {"0.1": True}, "bounds": {"0.1": 0.5}, "verifiers": {"0.1": "lofast"},
+          "reasons": {}, "rule": "pairwise-head", "seconds": 0.0, "fallback_seconds": {},
+          "run": {}}
+HOSTILE_RECORDS = {
+    "run.jsonl": json.dumps(RECORD),
+    "nan.jsonl": json.dumps(RECORD).replace('"radius": 0.1', '"radius": NaN'),
+    "abc.jsonl": json.dumps({**RECORD, "verdicts": {"abc": True}, "bounds": {},
+                             "verifiers": {}}),
+    "empty.jsonl": json.dumps({**RECORD, "verdicts": {}, "bounds": {}, "verifiers": {}}),
+    "verifier.jsonl": json.dumps({**RECORD, "verifiers": {"0.1": 7}}),
+    "nested.jsonl": "[" * 100_000 + "]" * 100_000,
 }
 
 
@@ -112,6 +152,10 @@ def test_bad_input_is_one_clear_error_and_changes_nothing(case, checkpoint, data
               "run": {}}
     (work / "typed.jsonl").write_text(json.dumps(record) + "\n")
     (work / "garbled.safetensors.state.pt").write_bytes(b"\x80\x04garbage")
+    for name, line in HOSTILE_RECORDS.items():
+        (work / name).write_text(line + "\n")
+    os.mkfifo(work / "fifo.jsonl")  # reading it would wait for a writer forever
+    os.mkfifo(work / "fifo.png")
     before = snapshot(work)
     args, needle = BAD_INPUTS[case]
     args = [a.format(ckpt=checkpoint, data=data_dir, work=work) for a in args]
@@ -285,3 +329,94 @@ def test_non_finite_weights_stop_training_and_keep_the_last_good_state(data_dir,
     state = train_module.load_training_state(out.with_name(out.name + ".state.pt"))
     assert state["epoch"] == 1
     assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_a_2_gb_file_without_line_breaks_is_refused_without_reading_it(tmp_path):
+    """A sparse 2 GB file of zeros as records: refused at its first MiB, not read whole."""
+    import time
+
+    sparse = tmp_path / "sparse.jsonl"
+    with open(sparse, "wb") as f:
+        f.truncate(2**31)
+    started = time.perf_counter()
+    assert_one_clear_error(invoke("report", sparse), "longer than")
+    assert_one_clear_error(invoke("report", sparse, "--merge"), "longer than")
+    assert time.perf_counter() - started < 5
+
+
+def test_a_bound_that_overflows_certifies_nothing_and_every_record_is_written(data_dir,
+                                                                                tmp_path):
+    """Scores of norm 1e150 make every feature bound infinite: no sample is certified, each
+    record says why, and the file is valid JSON (not a ValueError when it is written)."""
+    from lofast.checkpoint import save_checkpoint
+    from lofast.config import preset
+    from lofast.models.vit import create_model
+
+    model = create_model(preset("tiny", num_classes=4, score_norm=1e150), seed=0)
+    checkpoint = tmp_path / "huge.safetensors"
+    save_checkpoint(checkpoint, model, {"dataset": "folder",
+                                        "classes": [f"class{c}" for c in range(4)]})
+    out = tmp_path / "r.jsonl"
+    result = invoke(*certify_args(checkpoint, data_dir, "--out", out, "--n", "6", "--json"))
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 6
+    for r in records:
+        assert r["verdicts"] == {"0.1": False} and r["bounds"] == {"0.1": None}
+        assert r["reasons"] == {"0.1": "bound overflow"} and r["radius"] == 0
+    assert invoke("report", out).exit_code == 0
+
+
+def test_a_full_disk_at_the_training_state_is_one_line_and_keeps_the_last_state(
+        data_dir, tmp_path, monkeypatch):
+    """torch reports a full disk as RuntimeError: the command gives one line, and the state
+    file written before is left as it was."""
+    import torch
+
+    out = tmp_path / "m.safetensors"
+    assert invoke(*train_args(data_dir, out)).exit_code == 0
+    state = out.with_name(out.name + ".state.pt")
+    before = state.read_bytes()
+    real_save = torch.save
+
+    def full(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)  # a part is written, then the disk is full
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64")
+
+    monkeypatch.setattr(torch, "save", full)
+    result = invoke(*train_args(data_dir, out, "--overwrite"))
+    assert_one_clear_error(result, "write failed", "unchanged")
+    assert state.read_bytes() == before
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_interrupts_name_resume_only_where_a_command_has_it(monkeypatch, tmp_path):
+    import lofast.report
+
+    path = tmp_path / "run.jsonl"
+    path.write_text(HOSTILE_RECORDS["run.jsonl"] + "\n")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lofast.report, "read_run", interrupted)
+    result = invoke("report", path)
+    assert result.exit_code == 130 and "interrupted" in result.output
+    assert "--resume" not in result.output
+
+
+def test_a_head_with_a_zero_row_is_certified():
+    """A class whose head row is all zeros scores its bias alone; the model stays finite and
+    certifiable (it was refused as 'NaN or infinity')."""
+    import torch
+
+    from lofast.certificate import Certifier
+    from lofast.config import preset
+    from lofast.models.vit import create_model
+
+    model = create_model(preset("tiny", num_classes=4), seed=0)
+    with torch.no_grad():
+        model.stages[-1].weight[2].zero_()
+    x = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    certificate = Certifier(model).certify(x, torch.tensor([0, 1, 2, 3]))
+    assert torch.isfinite(certificate.margins[certificate.margins < math.inf]).all()

@@ -43,7 +43,9 @@ class LofastGroup(click.Group):
                          soft_wrap=True)
             sys.exit(1)
         except KeyboardInterrupt as e:
-            stderr.print("[yellow]interrupted[/]: finished work is saved; rerun with --resume")
+            resumable = ctx.invoked_subcommand in ("certify", "train")
+            stderr.print("[yellow]interrupted[/]" + (": finished work is saved; rerun with "
+                                                     "--resume" if resumable else ""))
             sys.exit(128 + signal.SIGTERM if isinstance(e, Terminated) else 130)
         finally:
             if on_main_thread:

@@ -23,6 +23,10 @@ def report(runs, plot_path, merge, as_json) -> None:
     """Summarise RUNS (files written by `lofast certify --out`), side by side."""
     from lofast.report import merge_runs, read_run, summarize, summary_table
 
+    if plot_path is not None:
+        from lofast.plot import check_plot_path
+
+        check_plot_path(plot_path, runs)  # before any work
     loaded = {str(path): read_run(path) for path in runs}
     if merge:
         loaded = {" + ".join(Path(p).name for p in loaded): merge_runs(list(loaded.values()))}

@@ -60,6 +60,8 @@ def _fingerprint(inputs: Sequence[Path]) -> str:
 
 def _load(path: Path, key: str) -> ImageDataset | None:
     """The data set cached at `path` for `key`, or None if absent, stale or damaged."""
+    if not path.is_file():  # absent, or something no cache writes (a FIFO): a miss
+        return None
     try:
         with np.load(path, allow_pickle=False) as npz:
             if str(npz["key"]) != key:

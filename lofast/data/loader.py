@@ -27,6 +27,7 @@ from lofast.data.imagefolder import (
 )
 from lofast.data.svhn import read_svhn, svhn_file_name
 from lofast.errors import DataError
+from lofast.files import check_readable
 
 # What each layout is read with, and which `dataset` values it can serve.
 _READERS: dict[str, Callable[[Path, str], ImageDataset]] = {
@@ -169,6 +170,8 @@ def load_dataset(
         path = Path(path).expanduser().resolve()
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
         raise DataError(f"{path}: cannot resolve path ({reason(exc)})") from exc
+    if path.exists() and not path.is_dir():  # a FIFO would make the read wait forever
+        check_readable(path, "data file", DataError)
     if split not in SPLITS:
         raise DataError(f"{path}: unknown split {split!r} (expected 'train' or 'test')")
     if dataset is not None and dataset not in DATASETS:

@@ -411,7 +411,9 @@ class NormalizedHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_classes))
 
     def effective_weight(self) -> Tensor:
-        return self.weight / torch.linalg.vector_norm(self.weight, dim=1, keepdim=True)
+        """The rows scaled to unit norm; a zero row stays zero (its class scores its bias)."""
+        norms = torch.linalg.vector_norm(self.weight, dim=1, keepdim=True)
+        return self.weight / norms.clamp_min(torch.finfo(norms.dtype).tiny)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.effective_weight(), self.bias)
