@@ -52,7 +52,7 @@ def certify(checkpoint: str | Path | LipschitzViT | None = None,
             fallback_timeout: float | None = None,
             attack: bool | AttackSettings = False, out: str | Path | None = None,
             resume: bool = False, shard: str | tuple[int, int] | None = None,
-            attention_report: bool = False,
+            attention_report: bool = False, classes_unchecked: bool = False,
             progress: RunProgress | None = None) -> Certification:
     """Certify the first ``n`` samples (all when None) of ``data`` at every ``eps`` (l2 radii in
     [0, 1] pixel scale: numbers, or texts such as "36/255") with LoFAST.
@@ -65,7 +65,8 @@ def certify(checkpoint: str | Path | LipschitzViT | None = None,
     samples LoFAST leaves (needs auto_LiRPA); attack: PGD on the samples no verifier certified
     (True, or an ``AttackSettings``); out: a JSONL file of records, continued with resume;
     shard: part "I/N" of the samples; attention_report: also measure and ablate attention
-    (``Certification.attention``). Raises ``errors.ConfigError`` for an argument out of range
+    (``Certification.attention``); classes_unchecked: use data with a checkpoint whose
+    metadata names no classes (refused otherwise). Raises ``errors.ConfigError`` for an argument out of range
     and other ``errors.LofastError`` for files and data, before any certification.
     Under torchrun every process must call it; process 0 returns the whole run, the others None.
     """
@@ -73,5 +74,6 @@ def certify(checkpoint: str | Path | LipschitzViT | None = None,
                            split=split, limit=n, batch_size=batch_size, device=device,
                            settings=settings, fallback=fallback,
                            fallback_timeout=fallback_timeout, attack=attack, out=out,
-                           resume=resume, shard=shard, attention_report=attention_report)
+                           resume=resume, shard=shard, attention_report=attention_report,
+                           classes_unchecked=classes_unchecked)
     return run_certify(config, progress)

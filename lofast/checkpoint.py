@@ -93,16 +93,23 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     return model.to(device).eval()
 
 
-def check_data_fits(model: LipschitzViT, metadata: dict[str, Any], data: Any) -> None:
+def check_data_fits(model: LipschitzViT, metadata: dict[str, Any], data: Any,
+                    classes_unchecked: bool = False) -> None:
     """Refuse a data set (an ImageDataset) whose image shape the model was not built for, or
     whose class names differ from those the checkpoint was trained on (a renamed or missing
-    class folder shifts every label, and every verdict with it)."""
+    class folder shifts every label, and every verdict with it). A checkpoint whose metadata
+    names no classes is refused too, unless ``classes_unchecked``: its labels could mean
+    anything. ``metadata`` empty: a model given in memory, whose classes are the caller's."""
     config = model.config
     expected = (config.image_size, config.image_size, config.channels)
     if data.images.shape[1:] != expected:
         raise LofastError(f"data images have shape {data.images.shape[1:]}, the model expects "
                           f"{expected} (H, W, C)")
     trained_on = metadata.get("classes")
+    if metadata and trained_on is None and not classes_unchecked:
+        raise LofastError("the checkpoint names no classes, so the data's labels cannot be "
+                          f"checked against its own ({', '.join(data.classes)}); pass "
+                          "--classes-unchecked to take them as they are")
     if trained_on is not None and list(trained_on) != list(data.classes):
         raise LofastError(f"the data's classes {list(data.classes)} differ from those the "
                           f"checkpoint was trained on {list(trained_on)}")

@@ -434,6 +434,7 @@ class CertifyConfig:
     resume: bool = False
     shard: Any = None
     attention_report: bool = False
+    classes_unchecked: bool = False  # a checkpoint that names no classes: take the data's
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)  # frozen: normalised once, here
@@ -467,7 +468,7 @@ class CertifyConfig:
             raise ConfigError(f"attack must be True, False or an AttackSettings, not "
                               f"{self.attack!r}")
         set_("out", _optional_path("out", self.out))
-        for name in ("resume", "attention_report"):
+        for name in ("resume", "attention_report", "classes_unchecked"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, not {getattr(self, name)!r}")
         if self.resume and self.out is None:

@@ -93,13 +93,14 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
                               f"with: {INSTALL_HINT}")
     model, metadata, digest = load_source(config.checkpoint)
     data, order = load_samples(model, metadata, config.data, config.dataset, config.split,
-                               config.limit)
-    if shard is not None:
-        order = order[shard[0]::shard[1]]
+                               config.limit, config.classes_unchecked)
     settings = config.settings or CertifySettings()
     certifier = Certifier(model, settings, device)
     run = run_settings(digest, data, config.split, settings, config.fallback or "none",
                        config.fallback_timeout, config.attack)
+    if shard is not None:  # which part of how many samples: a merge checks it is complete
+        run["shard"] = {"part": shard[0], "parts": shard[1], "samples": len(order)}
+        order = order[shard[0]::shard[1]]
     writer = RecordWriter(out, config.resume, config.eps, run)
     todo = [int(i) for i in order if int(i) not in writer.done]
     # a file resumed with a smaller --n holds records outside this run's samples: not counted
@@ -320,11 +321,12 @@ def default_batch_size(device: torch.device) -> int:
 
 
 def load_samples(model: nn.Module, metadata: dict, data: object, dataset: str | None,
-                 split: str, limit: int | None) -> tuple[object, np.ndarray]:
+                 split: str, limit: int | None, classes_unchecked: bool = False,
+                 ) -> tuple[object, np.ndarray]:
     """(data set, indices to evaluate): ``data`` is None (the bundled sample), a path, or an
     ImageDataset already loaded; ``dataset`` its kind (default: the checkpoint's). The indices
     are the first ``limit`` of the class-balanced order (all when None). Refuses images of
-    another shape, or classes other than the checkpoint's."""
+    another shape, or classes other than the checkpoint's (``checkpoint.check_data_fits``)."""
     from lofast.checkpoint import check_data_fits
     from lofast.data import ImageDataset, load_dataset
     from lofast.data.sample import class_balanced_order, load_bundled_sample
@@ -333,7 +335,7 @@ def load_samples(model: nn.Module, metadata: dict, data: object, dataset: str | 
         data = load_bundled_sample()
     elif not isinstance(data, ImageDataset):
         data = load_dataset(data, split, dataset or metadata.get("dataset"))
-    check_data_fits(model, metadata, data)
+    check_data_fits(model, metadata, data, classes_unchecked)
     return data, class_balanced_order(data.labels)[:limit]
 
 

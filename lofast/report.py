@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import math
 import os
@@ -255,10 +257,11 @@ def parse_records(lines: Iterable[bytes], path: Path, eps: Sequence[float] | Non
     return records, valid
 
 
-def read_run(path: Path) -> list[SampleRecord]:
+def read_run(path: Path, allow_empty: bool = False) -> list[SampleRecord]:
     """The records of one `lofast certify --out` file, in file order (a torn last line left by
-    an interrupt is skipped); LofastError for a missing or foreign file, or one that is not a
-    regular file (a FIFO, a device)."""
+    an interrupt is skipped); LofastError for a missing or foreign file, one that is not a
+    regular file (a FIFO, a device), or one without records unless ``allow_empty`` (a shard
+    that had no samples)."""
     path = Path(path)
     check_readable(path, "record file")
     try:
@@ -266,7 +269,7 @@ def read_run(path: Path) -> list[SampleRecord]:
             records, _ = parse_records(read_lines(handle, path), path)
     except OSError as e:
         raise LofastError(f"cannot read {path}: {e.strerror or e}") from None
-    if not records:
+    if not records and not allow_empty:
         raise LofastError(f"{path}: holds no records")
     return list(records.values())
 
@@ -280,19 +283,54 @@ def write_records(path: Path, records: Iterable[SampleRecord]) -> None:
 
 
 def merge_runs(runs: Sequence[Sequence[SampleRecord]]) -> list[SampleRecord]:
-    """The records of several parts of one run (shards), by sample index; refused where the
-    parts were made with other eps values or settings, or disagree on a sample."""
+    """The records of the parts of one run, by sample index, as one whole run (its records no
+    longer name a shard). Refused, naming what is wrong: parts made with other eps values or
+    settings, parts that disagree on a sample, and a set of shards that is not complete and
+    consistent (every part I of N present once with all its samples, of runs over the same
+    number of samples; a part with no samples may be absent or empty)."""
+    records = [record for part in runs for record in part]
+    if not records:
+        raise LofastError("the runs to merge hold no records")
+    first = records[0]
+    whole = _unsharded(first.run)
+    for record in records:
+        if set(record.verdicts) != set(first.verdicts) or _unsharded(record.run) != whole:
+            raise LofastError("the runs to merge were made with other eps values or "
+                              "settings; merge only the parts of one run")
+    shards = [record.run.get("shard") for record in records]
+    if any(shard is not None for shard in shards):
+        _check_complete(shards)
     merged: dict[int, SampleRecord] = {}
-    first = runs[0][0] if runs and runs[0] else None
-    for records in runs:
-        for record in records:
-            if set(record.verdicts) != set(first.verdicts) or record.run != first.run:
-                raise LofastError("the runs to merge were made with other eps values or "
-                                  "settings; merge only the parts of one run")
-            if record.index in merged and merged[record.index].verdicts != record.verdicts:
-                raise LofastError(f"the runs disagree on sample {record.index}")
-            merged[record.index] = record
+    for record in records:
+        if record.index in merged:
+            raise LofastError(f"sample {record.index} is in two of the parts"
+                              + ("" if merged[record.index].verdicts == record.verdicts
+                                 else ", with other verdicts"))
+        merged[record.index] = dataclasses.replace(record, run=whole)
     return [merged[i] for i in sorted(merged)]
+
+
+def _unsharded(run: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in run.items() if key != "shard"}
+
+
+def _check_complete(shards: Sequence[dict[str, int] | None]) -> None:
+    """Refuse shards (``run["shard"]`` of every record) that are not all parts I of one N of a
+    run over one number of samples, each with all its samples (part I has the samples
+    I, I + N, ... below that number)."""
+    if any(shard is None for shard in shards):
+        raise LofastError("the runs to merge mix shards with a whole run")
+    counts = {(shard["parts"], shard["samples"]) for shard in shards}
+    if len(counts) > 1:
+        detail = ", ".join(f"of {n} parts over {total} samples" for n, total in sorted(counts))
+        raise LofastError(f"the shards to merge come from different runs ({detail})")
+    (parts, total), = counts
+    found = collections.Counter(shard["part"] for shard in shards)
+    wrong = [f"{i}/{parts} ({found[i]} of {len(range(i, total, parts))} samples)"
+             for i in range(parts) if found[i] != len(range(i, total, parts))]
+    if wrong:
+        raise LofastError(f"the shards do not make one run of {total} samples: "
+                          f"{', '.join(wrong)}; merge every part once")
 
 
 @dataclass

@@ -241,7 +241,8 @@ def folder(data_dir):
 @pytest.fixture(scope="module")
 def dead_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt") / "dead.safetensors"
-    save_checkpoint(path, dead_model(True), metadata={"dataset": "folder"})
+    save_checkpoint(path, dead_model(True), metadata={
+        "dataset": "folder", "classes": [f"class{c}" for c in range(4)]})
     return path
 
 

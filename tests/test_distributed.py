@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,6 +70,42 @@ def test_merge_refuses_parts_of_other_runs(setup, tmp_path):
                                                 "naive")).exit_code == 0
     result = CliRunner().invoke(cli, ["report", "--merge", str(a), str(b)])
     assert result.exit_code == 1 and "one run" in result.output
+
+
+def test_merge_takes_exactly_a_complete_set_of_shards(setup, tmp_path):
+    """Every part I of N once, with all its samples, of runs over one number of samples: a part
+    with no samples may be empty; a missing part, one given twice, or parts of runs over other
+    numbers of samples are refused, naming what is wrong."""
+    root, checkpoint = setup
+
+    def shard(part, limit):
+        out = tmp_path / f"n{limit}-{part.replace('/', 'of')}.jsonl"
+        result = CliRunner().invoke(cli, [
+            "certify", "--checkpoint", str(checkpoint), "--data", str(root), "--device", "cpu",
+            "--eps", "0.05", "--limit", str(limit), "--shard", part, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        return str(out)
+
+    def merge(*parts):
+        return CliRunner().invoke(cli, ["report", "--merge", "--json", *parts])
+
+    small = [shard(f"{i}/3", 2) for i in range(3)]  # part 2 of 3 has no sample of 2
+    assert (tmp_path / "n2-2of3.jsonl").read_text() == ""
+    for parts in (small, small[:2]):
+        result = merge(*parts)
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)[" + ".join(p.split("/")[-1] for p in parts)][
+            "samples"] == 2
+    large = [shard(f"{i}/3", 5) for i in range(3)]
+    assert merge(*large).exit_code == 0
+    result = merge(*large[:2])
+    assert result.exit_code == 1 and "2/3 (0 of 1 samples)" in result.output
+    again = tmp_path / "again.jsonl"
+    again.write_bytes(Path(large[0]).read_bytes())
+    result = merge(*large, str(again))
+    assert result.exit_code == 1 and "0/3 (4 of 2 samples)" in result.output
+    result = merge(small[0], small[1], large[2])
+    assert result.exit_code == 1 and "different runs" in result.output
 
 
 @pytest.mark.parametrize("shard", ["2/2", "x", "1/0"])

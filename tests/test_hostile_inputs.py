@@ -420,3 +420,19 @@ def test_a_head_with_a_zero_row_is_certified():
     x = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     certificate = Certifier(model).certify(x, torch.tensor([0, 1, 2, 3]))
     assert torch.isfinite(certificate.margins[certificate.margins < math.inf]).all()
+
+
+def test_a_checkpoint_that_names_no_classes_needs_classes_unchecked(data_dir, tmp_path):
+    """Without class names in its metadata, a checkpoint's labels could mean anything (a
+    renamed class folder gave 7.5 % clean accuracy, silently): refused unless asked."""
+    from lofast.checkpoint import save_checkpoint
+    from lofast.config import preset
+    from lofast.models.vit import create_model
+
+    checkpoint = tmp_path / "nameless.safetensors"
+    save_checkpoint(checkpoint, create_model(preset("tiny", num_classes=4), seed=0),
+                    {"dataset": "folder"})
+    assert_one_clear_error(invoke(*certify_args(checkpoint, data_dir, "--n", "2")),
+                           "--classes-unchecked")
+    assert invoke(*certify_args(checkpoint, data_dir, "--n", "2",
+                                "--classes-unchecked")).exit_code == 0

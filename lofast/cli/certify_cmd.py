@@ -132,10 +132,13 @@ class Shard(click.ParamType):
                    "P_l(X) replaced by its mean over the samples), certified at the same --eps "
                    "with the same settings and compared with LoFAST's own verdicts on the real "
                    "model (JSON key 'attention').")
+@click.option("--classes-unchecked", is_flag=True,
+              help="Certify with a checkpoint whose metadata names no classes, taking the "
+                   "data's labels as they are (refused otherwise: they could mean anything).")
 def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size, device,
             bound, softmax_jacobian, kappa, guarantee, fallback, fallback_timeout, attack,
             attack_steps, attack_restarts, attack_box, save_adversarial, seed, out,
-            resume, shard, as_json, attention_report) -> None:
+            resume, shard, as_json, attention_report, classes_unchecked) -> None:
     """Certify l2 robustness of every sample with the LoFAST bound."""
     from lofast.certificate import CertifySettings
     from lofast.config import AttackSettings, CertifyConfig
@@ -155,7 +158,8 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
                            fallback=None if fallback == "none" else fallback,
                            fallback_timeout=fallback_timeout,
                            attack=attack_settings if attack else None, out=out, resume=resume,
-                           shard=shard, attention_report=attention_report)
+                           shard=shard, attention_report=attention_report,
+                           classes_unchecked=classes_unchecked)
     with BarProgress() as progress:
         certification = run_certify(config, progress)
     if certification is None:

@@ -12,7 +12,7 @@ from rich.table import Table
 from lofast.cli.certify_cmd import PositiveFloat
 from lofast.cli.console import stderr as console
 from lofast.cli.console import stdout
-from lofast.config import DATASETS
+from lofast.config import DATASETS, SPLITS
 
 
 @click.command()
@@ -26,7 +26,7 @@ from lofast.config import DATASETS
                    "first 50 of every class) instead of --data.")
 @click.option("--dataset", type=click.Choice(DATASETS), default=None,
               help="Data set kind (default: the checkpoint's).")
-@click.option("--split", type=click.Choice(["test", "train"]), default="test", show_default=True)
+@click.option("--split", type=click.Choice(SPLITS), default="test", show_default=True)
 @click.option("--n", "limit", type=click.IntRange(min=1), default=None,
               help="Measure on the first N samples of the class-balanced order (default: all).")
 @click.option("--eps", "eps_values", type=PositiveFloat(), multiple=True,
@@ -36,8 +36,10 @@ from lofast.config import DATASETS
 @click.option("--batch-size", type=click.IntRange(min=1), default=None,
               help="Samples per batch (default: as `lofast certify`).")
 @click.option("--device", default="auto", show_default=True)
+@click.option("--classes-unchecked", is_flag=True,
+              help="Measure a checkpoint whose metadata names no classes on the data as it is.")
 def info(checkpoint: Path, data_path, sample, dataset, split, limit, eps_values, batch_size,
-         device) -> None:
+         device, classes_unchecked) -> None:
     """Show CHECKPOINT's model config, metadata and per-stage Lipschitz constants.
 
     With --data or --sample, also show what attention does on that data: per block and head,
@@ -84,11 +86,11 @@ def info(checkpoint: Path, data_path, sample, dataset, split, limit, eps_values,
     stdout.print(table)
     if measuring:
         show_attention(model, meta, data_path, dataset, split, limit, eps_values, batch_size,
-                       device)
+                       device, classes_unchecked)
 
 
 def show_attention(model, meta, data_path, dataset, split, limit, eps_values, batch_size,
-                   device) -> None:
+                   device, classes_unchecked=False) -> None:
     """Measure attention on the data (the bundled sample when data_path is None) and print the
     per-head table and the ablation."""
     from lofast.attention_report import attention_report
@@ -100,7 +102,8 @@ def show_attention(model, meta, data_path, dataset, split, limit, eps_values, ba
 
     dev = resolve_device(device)
     settings = CertifySettings()
-    data, order = load_samples(model, meta, data_path, dataset, split, limit)
+    data, order = load_samples(model, meta, data_path, dataset, split, limit,
+                               classes_unchecked)
     x, y = data.subset(order).to_tensors()
     with phase_progress(console) as progress:
         report = attention_report(model, x, y, eps=sorted(set(eps_values)), settings=settings,

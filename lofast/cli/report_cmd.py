@@ -27,7 +27,7 @@ def report(runs, plot_path, merge, as_json) -> None:
         from lofast.plot import check_plot_path
 
         check_plot_path(plot_path, runs)  # before any work
-    loaded = {str(path): read_run(path) for path in runs}
+    loaded = {str(path): read_run(path, allow_empty=merge) for path in runs}
     if merge:
         loaded = {" + ".join(Path(p).name for p in loaded): merge_runs(list(loaded.values()))}
     summaries = {}
