@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lofast.checkpoint import SHIPPED_DIR, read_metadata
+from lofast.checkpoint import list_models, read_metadata, shipped_path
 
 EPS = (0.02, 0.05, 0.1, 36 / 255)
 EPS_NAMES = ("0.02", "0.05", "0.1", "36/255")
@@ -76,7 +76,7 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     checkpoints = ([Path(c) for c in args.checkpoint] if args.checkpoint
-                   else sorted(SHIPPED_DIR.glob("*.safetensors")))
+                   else [shipped_path(name) for name in list_models()])
     rows = []
     for checkpoint in checkpoints:
         print(f"certifying {checkpoint.name} ...", flush=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import lofast
 from lofast.attention_report import ablate_attention, mean_attention
-from lofast.checkpoint import SHIPPED_DIR
+from lofast.checkpoint import list_models, shipped_path
 from lofast.config import AttackSettings
 from lofast.data.sample import class_balanced_order
 from lofast.train import resolve_device
@@ -43,7 +43,8 @@ def main() -> None:
     parser.add_argument("--out", default="tightness.json")
     args = parser.parse_args()
 
-    checkpoints = [Path(c) for c in args.checkpoint or sorted(SHIPPED_DIR.glob("*.safetensors"))]
+    checkpoints = ([Path(c) for c in args.checkpoint] if args.checkpoint
+                   else [shipped_path(name) for name in list_models()])
     data = lofast.load_data(args.data)
     attack = AttackSettings(steps=args.steps, restarts=args.restarts)
     work = Path(args.work)

@@ -8,8 +8,8 @@ torch:
     run = lofast.certify(eps=[0.02, 0.05], n=20)  # the shipped default, bundled test images
     print(run.summary.certified_accuracy)
 
-load_model, load_data, certify and Certification come from ``lofast.api``; Certifier and
-CertifySettings (one batch at a time, per-sample certificates as tensors) from
+load_model, list_models, load_data, certify and Certification come from ``lofast.api``;
+Certifier and CertifySettings (one batch at a time, per-sample certificates as tensors) from
 ``lofast.certificate``.
 """
 
@@ -18,9 +18,10 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "load_model": "lofast.api", "load_data": "lofast.api", "certify": "lofast.api",
     "Certification": "lofast.api", "Certifier": "lofast.certificate",
-    "CertifySettings": "lofast.certificate",
+    "CertifySettings": "lofast.certificate", "list_models": "lofast.api",
 }
-__all__ = ["Certification", "Certifier", "CertifySettings", "certify", "load_data", "load_model"]
+__all__ = ["Certification", "Certifier", "CertifySettings", "certify", "list_models",
+           "load_data", "load_model"]
 assert sorted(__all__) == sorted(_EXPORTS)
 
 

@@ -19,20 +19,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lofast.certificate import CertifySettings
-from lofast.checkpoint import default_checkpoint_path, load_checkpoint
+from lofast.checkpoint import checkpoint_path, list_models, load_checkpoint
 from lofast.config import AttackSettings, CertifyConfig
 from lofast.data import ImageDataset, load_dataset
 from lofast.data.sample import load_bundled_sample
 from lofast.models.vit import LipschitzViT
 from lofast.pipeline import Certification, RunProgress, run_certify
 
-__all__ = ["Certification", "certify", "load_data", "load_model"]
+__all__ = ["Certification", "certify", "list_models", "load_data", "load_model"]
 
 
 def load_model(checkpoint: str | Path | None = None) -> LipschitzViT:
-    """The model of a safetensors checkpoint (the shipped default when None), validated."""
-    return load_checkpoint(Path(checkpoint) if checkpoint is not None
-                           else default_checkpoint_path())
+    """The model of a safetensors checkpoint: a path, the name of a shipped model
+    (``list_models()``, e.g. "lofast-live"), or None for the shipped default; validated."""
+    return load_checkpoint(checkpoint_path(checkpoint))
 
 
 def load_data(path: str | Path | None = None, split: str = "test",

@@ -125,7 +125,47 @@ def _shipped_dir() -> Path:
 
 
 SHIPPED_DIR = _shipped_dir()
-DEFAULT_CHECKPOINT = "lofast-default.safetensors"
+REGISTRY = "registry.json"  # the shipped models: name -> file, SHA-256, summary; the default
+
+
+def _registry() -> dict[str, Any]:
+    """The registry of shipped models (``checkpoints/registry.json``)."""
+    path = SHIPPED_DIR / REGISTRY
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read the registry of shipped models {path}: {e}") from None
+
+
+def list_models() -> list[str]:
+    """The names of the shipped models, the default first."""
+    registry = _registry()
+    return sorted(registry["models"], key=lambda name: (name != registry["default"], name))
+
+
+def shipped_path(name: str) -> Path:
+    """The file of the shipped model ``name``, checked against its registered SHA-256 (a
+    replaced or damaged file is refused, not certified)."""
+    models = _registry()["models"]
+    if name not in models:
+        raise CheckpointError(f"no shipped model {name!r}; the shipped models are "
+                              f"{', '.join(list_models())}")
+    path = SHIPPED_DIR / models[name]["file"]
+    check_readable(path, "checkpoint", CheckpointError)
+    if file_digest(path) != models[name]["sha256"]:
+        raise CheckpointError(f"{path} is not the shipped {name} (its SHA-256 differs from the "
+                              "registry's)")
+    return path
+
+
+def checkpoint_path(name_or_path: str | os.PathLike | None) -> Path:
+    """A checkpoint by path, or by the name of a shipped model; the default when None."""
+    if name_or_path is None:
+        return default_checkpoint_path()
+    if isinstance(name_or_path, str) and name_or_path in _registry()["models"] \
+            and not Path(name_or_path).exists():
+        return shipped_path(name_or_path)
+    return Path(name_or_path)
 
 
 def file_digest(path: str | os.PathLike) -> str:
@@ -138,8 +178,9 @@ def file_digest(path: str | os.PathLike) -> str:
 
 
 def default_checkpoint_path() -> Path:
-    """The shipped default checkpoint (checkpoints/ beside the package, as in the repository)."""
-    path = SHIPPED_DIR / DEFAULT_CHECKPOINT
-    if not path.is_file():
-        raise CheckpointError(f"no --checkpoint given and no shipped checkpoint at {path}")
-    return path
+    """The shipped default checkpoint (the registry's default)."""
+    try:
+        return shipped_path(_registry()["default"])
+    except CheckpointError as e:
+        raise CheckpointError(f"no --checkpoint given and no usable shipped default: {e}") \
+            from None

@@ -169,3 +169,28 @@ def test_api_certificates_cannot_be_fooled_by_their_arguments():
     broken = pgd_l2(copy.deepcopy(model).double(), images, y[index], radius * 0.999, steps=50,
                     restarts=2)
     assert not broken.any()
+
+
+def test_shipped_models_by_name_from_the_registry(tmp_path, monkeypatch):
+    """list_models() names the registered models (the default first); load_model and certify
+    take a name; a shipped file that is not the registered one (replaced, damaged) is refused."""
+    import shutil
+
+    from lofast import checkpoint
+    from lofast.errors import CheckpointError
+
+    names = lofast.list_models()
+    assert names[0] == "lofast-default" and "lofast-live" in names
+    assert lofast.load_model("lofast-live").config.heads == 1
+    with pytest.raises(CheckpointError, match="no shipped model"):
+        checkpoint.shipped_path("lofast-nothing")
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(checkpoint.SHIPPED_DIR, copy)
+    with open(copy / "lofast-live.safetensors", "r+b") as f:  # one byte of a weight changed
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    monkeypatch.setattr(checkpoint, "SHIPPED_DIR", copy)
+    with pytest.raises(CheckpointError, match="not the shipped lofast-live"):
+        lofast.load_model("lofast-live")
