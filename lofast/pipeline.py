@@ -68,6 +68,7 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
     interleaved part and writes ``out.rankIofN``; process 0 merges the parts, writes ``out``
     and returns the whole run, the others return None."""
     from lofast.distributed import gather_on_first, process_group, torchrun_rank
+    from lofast.files import check_writable
     from lofast.report import RecordWriter, merge_runs, summarize, write_records
     from lofast.train import resolve_device
 
@@ -101,6 +102,8 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
     if shard is not None:  # which part of how many samples: a merge checks it is complete
         run["shard"] = {"part": shard[0], "parts": shard[1], "samples": len(order)}
         order = order[shard[0]::shard[1]]
+    if config.attack is not None and config.attack.save_dir is not None:
+        check_writable(config.attack.save_dir / f"{run_name(run)}.npz")  # before any work
     writer = RecordWriter(out, config.resume, config.eps, run)
     todo = [int(i) for i in order if int(i) not in writer.done]
     # a file resumed with a smaller --n holds records outside this run's samples: not counted
@@ -293,19 +296,37 @@ def run_attack(model: nn.Module, images: Tensor, records: Sequence[SampleRecord]
 
 def _describe(counterexample: tuple[Tensor, int], image: Tensor, record: SampleRecord, key: str,
               save_dir: Path | None) -> dict:
+    """The record's entry for a counterexample at eps key; with save_dir, written there as
+    ``RUN-INDEX-epsKEY.npz`` (RUN: ``run_name`` of the record's settings, so that runs sharing
+    a folder never overwrite each other's files), whole or not at all."""
+    from lofast.files import atomic_write
+
     perturbation, adversarial_class = counterexample
     file = None
     if save_dir is not None:
-        path = Path(save_dir) / f"{record.index}-eps{key}.npz"
+        path = Path(save_dir) / f"{run_name(record.run)}-{record.index}-eps{key}.npz"
+
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as out:
+                np.savez(out, image=(image + perturbation).cpu().numpy(),
+                         perturbation=perturbation.cpu().numpy(), label=record.label,
+                         adversarial_class=adversarial_class, eps=float(key))
+
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            np.savez(path, image=(image + perturbation).cpu().numpy(),
-                     perturbation=perturbation.cpu().numpy(), label=record.label,
-                     adversarial_class=adversarial_class, eps=float(key))
+            atomic_write(path, write)
         except OSError as e:
             raise LofastError(f"cannot write {path}: {e.strerror or e}") from None
         file = str(path)
     return {"norm": float(perturbation.norm()), "class": adversarial_class, "file": file}
+
+
+def run_name(run: dict) -> str:
+    """Twelve hex digits of SHA-256 over a run's settings (``run_settings``): a name shared by
+    the files of one run alone."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def default_batch_size(device: torch.device) -> int:

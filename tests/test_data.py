@@ -611,7 +611,8 @@ def test_cache_hit_corrupt_rebuild_and_invalidation(folder, tmp_path, monkeypatc
     _write_folder(root, {"test/zebra": {"e": images[0]}})
     os.utime(_tar(root, archive), ns=(1, 1))
     assert len(load_dataset(archive, "test", cache_dir=cache)) == 5
-    assert len(list(cache.iterdir())) == 1  # one entry per source and split, no temp files
+    assert len(list(cache.glob("*.npz"))) == 1  # one entry per source and split
+    assert not list(cache.glob(".*.tmp"))  # no temporary files
 
 
 def test_cache_default_dir_and_unwritable_dir(folder, tmp_path, monkeypatch):

@@ -122,6 +122,9 @@ BAD_INPUTS = {
                                           "nested.jsonl:1: not a lofast"),
     "train time limit nan": (["train", "--data", "{data}", "--time-limit", "nan", "--out",
                               "{work}/m.safetensors"], "time_limit"),
+    "a million attack restarts": (["certify", "--checkpoint", "{ckpt}", "--data", "{data}",
+                                   "--eps", "0.1", "--attack", "--attack-restarts", "1000000"],
+                                  "attack-restarts"),
 }
 
 # A valid record, and the values that hostile files put in its place.
@@ -246,6 +249,25 @@ def test_tampered_cache_is_rebuilt(data_dir, tmp_path):
     np.savez(entry, **arrays)
     again = load_dataset(data_dir, "test", "folder", cache_dir=cache)
     assert np.array_equal(again.labels, honest.labels) and again.labels.any()
+    # the same, with the content digest recomputed for the tampered arrays: the seal (an HMAC
+    # under the folder's secret) no longer matches
+    from lofast.data import ImageDataset
+
+    with np.load(entry) as npz:
+        arrays = dict(npz)
+    arrays["labels"] = np.zeros_like(arrays["labels"])
+    forged = ImageDataset(arrays["images"], arrays["labels"],
+                          tuple(str(c) for c in arrays["classes"]), str(arrays["name"]))
+    arrays["digest"] = np.array(forged.digest())
+    np.savez(entry, **arrays)
+    again = load_dataset(data_dir, "test", "folder", cache_dir=cache)
+    assert np.array_equal(again.labels, honest.labels)
+    # a cache folder that others may write is not trusted: nothing is cached there
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    load_dataset(data_dir, "test", "folder", cache_dir=shared)
+    assert not list(shared.glob("*.npz"))
 
 
 def test_train_refuses_to_overwrite_unless_asked(data_dir, tmp_path):
@@ -436,3 +458,32 @@ def test_a_checkpoint_that_names_no_classes_needs_classes_unchecked(data_dir, tm
                            "--classes-unchecked")
     assert invoke(*certify_args(checkpoint, data_dir, "--n", "2",
                                 "--classes-unchecked")).exit_code == 0
+
+
+def test_counterexamples_of_two_runs_share_a_folder_and_a_bad_folder_stops_first(
+        checkpoint, data_dir, tmp_path):
+    """--save-adversarial: files are named by their run, so a second run with another checkpoint
+    adds its own and overwrites none; a folder that cannot be one is refused before any work."""
+    from lofast.checkpoint import save_checkpoint
+    from lofast.config import preset
+    from lofast.models.vit import create_model
+
+    other = tmp_path / "other.safetensors"
+    save_checkpoint(other, create_model(preset("tiny", num_classes=4), seed=1),
+                    {"dataset": "folder", "classes": [f"class{c}" for c in range(4)]})
+    saved = tmp_path / "adversarial"
+    attack = ("--attack", "--attack-steps", "5", "--attack-restarts", "1", "--n", "4",
+              "--save-adversarial", saved)
+    assert invoke(*certify_args(checkpoint, data_dir, *attack)).exit_code == 0
+    first = snapshot(saved)
+    assert first
+    assert invoke(*certify_args(other, data_dir, *attack)).exit_code == 0
+    second = snapshot(saved)
+    assert {k: second[k] for k in first} == first and len(second) > len(first)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a folder\n")
+    out = tmp_path / "r.jsonl"
+    result = invoke(*certify_args(checkpoint, data_dir, "--attack", "--out", out,
+                                  "--save-adversarial", notes / "adversarial"))
+    assert_one_clear_error(result, "cannot write")
+    assert not out.exists() and notes.read_text() == "not a folder\n"

@@ -256,3 +256,25 @@ def test_report_refuses_a_foreign_file(tmp_path):
     result = CliRunner().invoke(cli, ["report", str(notes)])
     assert result.exit_code == 1 and "not a lofast record" in result.output
     assert "Traceback" not in result.output
+
+
+def test_large_attacks_run_in_parts(trained, monkeypatch):
+    """restarts x samples above MAX_ATTACK_IMAGES is attacked in parts of that size: the same
+    shapes, every perturbation in the ball and the box, found ones checked; memory no longer
+    grows with --attack-restarts x --batch-size."""
+    from lofast import attack
+
+    model, x, y = trained
+    model = copy.deepcopy(model).double()
+    x = x[:12].double()
+    y = model(x).argmax(dim=1)
+    eps = torch.linspace(1.0, 10.0, 12, dtype=torch.float64)
+    monkeypatch.setattr(attack, "MAX_ATTACK_IMAGES", 6)  # parts of two samples x 3 restarts
+    result = pgd_attack(model, x, y, eps, steps=8, restarts=3)
+    assert result.perturbation.shape == x.shape and result.found.any()
+    assert (result.norm <= eps * (1 + 1e-9)).all()
+    adversarial = x + result.perturbation
+    assert adversarial.min() >= 0 and adversarial.max() <= 1
+    assert (model(adversarial).argmax(dim=1)[result.found] != y[result.found]).all()
+    nearest = attack.minimum_norm_attack(model, x, y, steps=10)
+    assert nearest.norm.shape == (12,) and nearest.found.all()
