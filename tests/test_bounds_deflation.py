@@ -212,3 +212,45 @@ def test_a_nearly_null_complement():
     gram, error = gram_with_error(T[None])
     deflation = deflate_gram(-gram[0], float(error[0]), count=11)
     assert deflation.size == 11 and 0.0 <= deflation.complement < 1e-5
+
+
+@pytest.mark.parametrize(("tokens", "residual"), [(5, True), (17, True), (6, False)])
+def test_uniform_reference_deflation_from_the_single_token_proof(tokens, residual):
+    """For uniform attention U, T_U(G) = H G + U G B is deflated from the d x d Gram matrix of
+    its single-token reference (``deflate_gram``'s tokens): against the dense (n d) x (n d)
+    operator, the basis is orthonormal within its eta, the complement bounds T_U on the
+    orthogonal complement of the basis and is within the proof's slack of it. Without the non-mean part (rest = 0) the complement
+    would fall below the true one: the term is needed."""
+    from lofast.bounds.attention_spec import AttentionSpec
+
+    g = torch.Generator().manual_seed(tokens)
+    h, d, dh = 2, 8, 4
+    spec = AttentionSpec(query=torch.randn(h, d, dh, generator=g, dtype=F64),
+                         key=torch.randn(h, d, dh, generator=g, dtype=F64),
+                         value=0.4 * torch.randn(h, d, dh, generator=g, dtype=F64),
+                         output=0.4 * torch.randn(h, dh, d, generator=g, dtype=F64),
+                         residual=residual, scale=2.0)
+    deflation = spec.deflation(tokens)
+    B = spec.value_matrices().sum(dim=0)
+    eye_n, eye_d = torch.eye(tokens, dtype=F64), torch.eye(d, dtype=F64)
+    U = torch.full((tokens, tokens), 1.0 / tokens, dtype=F64)
+    # vec(G) row-major: T(G) = H G + U G B acts as H (x) I + U (x) B^T
+    T = (1.0 if residual else 0.0) * torch.kron(eye_n, eye_d) + torch.kron(U, B.T.contiguous())
+    V = deflation.basis
+    assert V.shape[0] == tokens * d
+    gram = V.T @ V
+    assert torch.linalg.matrix_norm(gram - torch.eye(V.shape[1], dtype=F64), 2) <= \
+        deflation.orthogonality
+    outside = torch.eye(tokens * d, dtype=F64) - V @ torch.linalg.solve(gram, V.T)
+    rest = torch.linalg.matrix_norm(T @ outside, 2)
+    # (the non-mean part has norm exactly ||H||: the dense product rounds around it)
+    assert rest <= deflation.complement * (1 + 1e-12) and deflation.complement <= \
+        rest * (1 + 1e-3) + 1e-9
+    f = spec.first_order_factors
+    from lofast.bounds.first_order import first_order_negated_gram
+
+    if residual:  # the non-mean part is what keeps the complement at ||H|| = 1
+        single = torch.ones((h, 1, 1), dtype=F64)
+        negated, error = first_order_negated_gram(single[None], f)
+        unlifted = deflate_gram(negated[0], float(error[0]), tokens=tokens, rest=0.0)
+        assert float(unlifted.complement) * f.unit < rest * (1 - 1e-3)

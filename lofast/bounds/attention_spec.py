@@ -184,20 +184,22 @@ class AttentionSpec(Stage):
         return {}
 
     def deflation(self, tokens: int, large: bool = False) -> Deflation:
-        """``deflation.deflate_gram`` of the reference T_R for ``tokens`` tokens (R_l, or
-        fl(1/n) for U, whose rounding the deviation bound covers), complement in the units of
-        T_R; with ``large``, of size LARGE_DEFLATION. Computed once per token count and size
-        (from the Kronecker Gram of the verified zeta)."""
+        """``deflation.deflate_gram`` of the reference T_R for ``tokens`` tokens, complement in
+        the units of T_R; with ``large``, of size LARGE_DEFLATION. Computed once per token count
+        and size: from the Kronecker Gram of the verified zeta for R_l, and for U from the
+        d x d Gram of its single-token reference (lifted: ``deflate_gram``'s tokens)."""
         if (tokens, large) not in self._deflations:
             f = self.first_order_factors
             reference = self.reference_probabilities
-            if reference is None:
-                reference = torch.full((self.heads, tokens, tokens), 1.0 / tokens,
-                                       dtype=torch.float64, device=self.value.device)
+            lift = {}
+            if reference is None:  # uniform: the d x d proof of the single-token reference
+                reference = torch.ones((self.heads, 1, 1), dtype=torch.float64,
+                                       device=self.value.device)
+                lift = {"tokens": tokens, "rest": float(f.residual)}
             negated, error = first_order_negated_gram(reference[None], f)
             deflation = deflate_gram(negated[0], float(error[0]),
                                      first_order_gram(reference[None], f),
-                                     LARGE_DEFLATION if large else None)
+                                     LARGE_DEFLATION if large else None, **lift)
             self._deflations[tokens, large] = dataclasses.replace(
                 deflation, complement=deflation.complement * f.unit)
         return self._deflations[tokens, large]

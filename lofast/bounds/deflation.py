@@ -89,8 +89,18 @@ class Deflation:
 
 
 def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = None,
-                 count: int | None = None) -> Deflation:
+                 count: int | None = None, tokens: int = 1, rest: float = 0.0) -> Deflation:
     """Deflation of a reference T_R given its Gram matrix explicitly.
+
+    With tokens = n > 1: the deflation of the uniform reference T_U(G) = H G + U G B
+    (U = 1 1^T / n, B = sum_l B_l, G n x d), from the Gram matrix of its single-token
+    reference T_1(a) = a (H + B) (d x d, given as negated and gram). T_U maps the token-mean
+    part 1 a^T of G to 1 T_1(a)^T and the rest (I - U) G to H (I - U) G, and the two images are
+    orthogonal; so for a basis W of the single-token problem, V = 1 (x) W (n d x k, W scaled by
+    fl(1/sqrt(n))) spans top right singular vectors of T_U, and a unit w orthogonal to range(V)
+    has ||T_U w||^2 <= max(c^2, rest^2), with c the single-token complement (proved on W, d x d)
+    and rest >= ||H|| (in the units of the Gram matrix). The (n d)-dimensional deflation then
+    costs a d x d proof instead of an (n d) x (n d) one.
 
     negated: (N, N) float64 whose lower triangle (with the diagonal) is that of -S, S symmetric
     with ||S - T_R^T T_R||_2 <= gram_error (the strict upper triangle may hold anything, NaN
@@ -140,14 +150,21 @@ def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = No
             break
     count = min(chosen, len(values) - 1, size - 1)
     basis = torch.linalg.qr(vectors[:count].mT).Q.contiguous()  # (N, k)
+    if tokens > 1:  # W: the single-token basis scaled so that V = 1 (x) W is nearly orthonormal
+        basis = basis * (1.0 / math.sqrt(tokens))
     frobenius = float(torch.linalg.vector_norm(basis)) * (1.0 + 2.0 ** -40)
-    # ||V^T V - I||_2 <= ||fl(V^T V) - I||_F + gamma_N ||V||_F^2 (rounding of the product)
+    # ||V^T V - I||_2 <= ||fl(V^T V) - I||_F + gamma_N ||V||_F^2 (rounding of the product); for
+    # V = 1 (x) W, V^T V = n W^T W exactly, and fl(n fl(W^T W)) adds u n ||W^T W||_F
     eye = torch.eye(count, dtype=torch.float64, device=device)
-    eta = (float(torch.linalg.vector_norm(basis.mT @ basis - eye)) * (1.0 + 2.0 ** -40)
-           + gamma(size + 2) * frobenius ** 2 + count * count * UNIT_ROUNDOFF)
+    product_k = basis.mT @ basis
+    eta = (float(torch.linalg.vector_norm(tokens * product_k - eye)) * (1.0 + 2.0 ** -40)
+           + tokens * gamma(size + 2) * frobenius ** 2 + count * count * UNIT_ROUNDOFF
+           + (tokens * UNIT_ROUNDOFF * float(torch.linalg.vector_norm(product_k))
+              * (1.0 + 2.0 ** -40) if tokens > 1 else 0.0))
     if not eta < 1e-6:
         raise ValueError(f"deflation basis is not orthonormal (||V^T V - I|| <= {eta:.3g})")
-    shift = math.ldexp(1.0, math.frexp(max(2.0 * top, 2.0 ** -500))[1])  # power of two >= 2 top
+    # a power of two >= 2 top / ||w_j||^2 for W's columns (squared norms about 1 / tokens)
+    shift = math.ldexp(1.0, math.frexp(max(2.0 * top * tokens * (1.0 + 1e-6), 2.0 ** -500))[1])
     # lower triangle: -(S - g V V^T), rounded. Either triangle of the computed V V^T holds
     # rounded values of its entries (within the same bound), so a Fortran-ordered negated is
     # added to the product's transpose: both then read in the same memory order
@@ -175,6 +192,9 @@ def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = No
             estimate=estimate, lower_only=True)[0]
     except ValueError:  # no proof: a deflation that bounds nothing (every bound is then +inf)
         complement = torch.tensor(math.inf, dtype=torch.float64, device=device)
+    if tokens > 1:  # the non-mean part of the complement: H, of norm <= rest
+        complement = torch.clamp(complement, min=rest)
+        basis = basis.repeat(tokens, 1)  # row i d + j of vec(G): token i, coordinate j
     return Deflation(basis=basis, orthogonality=eta, complement=complement,
                      ritz=values[: count + 1].clone())
 
