@@ -333,7 +333,7 @@ def default_batch_size(device: torch.device) -> int:
     """Samples certified together when no batch size is given: 16 on CPU, where larger batches
     ran slower per sample in benchmarks/bench_certify.py; 1024 on a GPU, where the width-128
     default's whole test set took 7.5 s end to end against 10.0 s at 256 (H200,
-    docs/experiments.md)."""
+    docs/studies/certifier-speed.md)."""
     return 1024 if device.type == "cuda" else 16
 
 
