@@ -1,0 +1,49 @@
+"""Frozen settings for models, training and certification, with named model presets; none of
+it imports torch, so the command line reads its option defaults from here at no cost.
+
+- ``base``: the names users choose, the certification defaults, limits, shared checks;
+- ``model``: ``ModelConfig`` and the presets;
+- ``training``: ``TrainConfig``;
+- ``certify``: ``CertifyConfig`` and ``AttackSettings`` (a certification run).
+"""
+
+from lofast.config.base import (
+    BOUNDS,
+    CERTIFY_DEFAULTS,
+    DATASETS,
+    FALLBACKS,
+    GUARANTEES,
+    KAPPAS,
+    MAX_ATTACK_RESTARTS,
+    MAX_ATTACK_STEPS,
+    MAX_BATCH_SIZE,
+    MAX_PARAMETERS,
+    MAX_SEED,
+    SPLITS,
+    Bound,
+    CertifyDefaults,
+    Choice,
+    Loss,
+    Pooling,
+    Schedule,
+    Weights,
+    plain_dict,
+)
+from lofast.config.certify import (
+    AttackSettings,
+    CertifyConfig,
+    parse_radii,
+    parse_radius,
+    parse_shard,
+)
+from lofast.config.model import PRESETS, ModelConfig, preset
+from lofast.config.training import TrainConfig
+from lofast.errors import ConfigError
+
+__all__ = [
+    "BOUNDS", "CERTIFY_DEFAULTS", "DATASETS", "FALLBACKS", "GUARANTEES", "KAPPAS",
+    "MAX_ATTACK_RESTARTS", "MAX_ATTACK_STEPS", "MAX_BATCH_SIZE", "MAX_PARAMETERS", "MAX_SEED",
+    "PRESETS", "SPLITS", "AttackSettings", "Bound", "CertifyConfig", "CertifyDefaults", "Choice",
+    "ConfigError", "Loss", "ModelConfig", "Pooling", "Schedule", "TrainConfig", "Weights",
+    "parse_radii", "parse_radius", "parse_shard", "plain_dict", "preset",
+]

@@ -1,0 +1,119 @@
+"""The names users choose (option kinds, guarantees, data set kinds, fallbacks), the defaults
+of certification, the limits of every count, and the checks the configs share."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from lofast.errors import LofastError
+
+
+class Choice(str, enum.Enum):
+    """An option with a fixed set of names. A member equals, hashes and prints as its name, so
+    JSON, checkpoint metadata and the command line keep the plain string."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, field: str, value: Any, error: type[LofastError] = LofastError) -> Choice:
+        """The member named ``value``, else one clear error naming ``field`` and the choices."""
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(repr(m.value) for m in cls)
+            raise error(f"{field} must be one of {names}, not {value!r}") from None
+
+
+class Pooling(Choice):
+    MEAN = "mean"  # the mean over all tokens, 1/sqrt(n)-Lipschitz
+    CLASS_TOKEN = "cls"
+
+
+class Weights(Choice):
+    """How an attention block's query/key (or value/output) matrices are made."""
+
+    LEARNED = "learned"  # learned and spectrally capped
+    IDENTITY = "identity"  # fixed identities: each head works on the coordinates it owns
+
+
+class Loss(Choice):
+    CE = "ce"
+    MARGIN = "margin"  # Lipschitz-margin cross-entropy (Tsuzuku et al. 2018)
+    CERTIFIED = "certified"  # cross-entropy on logits worsened by the LoFAST training bound
+
+
+class Schedule(Choice):
+    COSINE = "cosine"
+    CONSTANT = "constant"
+
+
+class Bound(Choice):
+    LOFAST = "lofast"  # the paper's practical bound delta_2^(2)
+    LOFAST_TIGHT = "lofast-tight"  # its delta_2^(1)
+    NAIVE = "naive"  # the first-order term of the paper's eq. (12)
+
+
+def plain_dict(config: Any) -> dict[str, Any]:
+    """A dataclass as a dict of plain values (a Choice becomes its name): for files that must
+    hold plain data only, such as the training state read with ``weights_only``."""
+    return dataclasses.asdict(config, dict_factory=lambda items: {
+        k: v.value if isinstance(v, Choice) else v for k, v in items})
+
+# Certification: the names users choose, read by the library (``certificate.CertifySettings``) and
+# the CLI alike. A guarantee says what every norm in a certificate is (``bounds.spectral.
+# Guarantee`` has the same values) and names the spectral method that delivers it.
+GUARANTEES = {"exact": "verified", "probabilistic": "lanczos", "estimate": "power"}
+BOUNDS = tuple(b.value for b in Bound)  # see ``certificate.BOUND_TERMS``
+KAPPAS = (0.5, 1.0)  # softmax Lipschitz constants: 1/2 is tight and sound, 1 is the paper's
+
+
+@dataclass(frozen=True)
+class CertifyDefaults:
+    """What ``lofast certify`` and ``certificate.Certifier`` do when not told otherwise."""
+
+    guarantee: str = "exact"
+    bound: Bound = Bound.LOFAST
+    kappa: float = 0.5
+    softmax_jacobian: bool = True  # the second-order refinement of ``bounds.attention``
+    local_projection: bool = True  # LayerProject's local contraction (else 1-Lipschitz)
+    seed: int = 0
+
+
+CERTIFY_DEFAULTS = CertifyDefaults()
+
+# Larger models are refused before any allocation (4 GiB of float32 weights).
+MAX_PARAMETERS = 2**30
+
+# The names of data set kinds, splits and fallback verifiers, for the library and the CLI alike.
+DATASETS = ("cifar10", "svhn", "folder")
+SPLITS = ("train", "test")
+FALLBACKS = ("crown", "alpha-crown", "beta-crown")  # auto_LiRPA's verifiers (``lofast.crown``)
+
+# Upper limits of the counts a user sets: each sizes memory or time, and a larger one is a typo
+# (``--attack-restarts 1000000`` would allocate restarts x batch images at once).
+MAX_ATTACK_STEPS = 100_000
+MAX_ATTACK_RESTARTS = 100
+MAX_BATCH_SIZE = 2**16
+MAX_SEED = 2**63 - 1
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None,
+               error: type[LofastError] = LofastError) -> None:
+    if (not isinstance(value, int) or isinstance(value, bool) or value < minimum
+            or (maximum is not None and value > maximum)):
+        bounds = f">= {minimum}" if maximum is None else f"in {minimum} .. {maximum}"
+        raise error(f"{name} must be an integer {bounds}, not {value!r}")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not _is_real(value) or not math.isfinite(value) or value <= 0:
+        raise LofastError(f"{name} must be a positive finite number, not {value!r}")

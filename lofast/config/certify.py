@@ -1,0 +1,183 @@
+"""A certification run's config, checked in one place for the command line and the Python API
+(``pipeline.run_certify`` runs it)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lofast.config.base import (
+    DATASETS,
+    FALLBACKS,
+    MAX_ATTACK_RESTARTS,
+    MAX_ATTACK_STEPS,
+    MAX_BATCH_SIZE,
+    MAX_SEED,
+    SPLITS,
+    _check_int,
+)
+from lofast.errors import ConfigError
+
+
+def parse_radius(value: Any, name: str = "eps") -> float:
+    """A positive finite l2 radius from a number or a text such as "0.05" or "36/255";
+    ConfigError otherwise (a radius <= 0 would certify nothing, or count a misclassified
+    sample as robust)."""
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            if text.count("/") == 1:
+                numerator, denominator = text.split("/")
+                number = float(numerator) / float(denominator)
+            else:
+                number = float(text)
+        except (ValueError, ZeroDivisionError):
+            raise ConfigError(f"{name} {value!r} is not a number") from None
+    elif isinstance(value, bool) or not hasattr(value, "__float__"):
+        raise ConfigError(f"{name} must be a number, not {value!r}")
+    else:
+        number = float(value)
+    if not (math.isfinite(number) and number > 0):
+        raise ConfigError(f"{name} must be a positive finite number, not {value!r}")
+    return number
+
+
+def parse_radii(value: Any) -> tuple[float, ...]:
+    """The distinct radii of one eps (a number or a text) or of a sequence of them, ascending."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        value = [value]
+    radii = {parse_radius(v) for v in value}
+    if not radii:
+        raise ConfigError("give at least one eps")
+    return tuple(sorted(radii))
+
+
+def parse_shard(value: Any) -> tuple[int, int] | None:
+    """(I, N) from "I/N" or a pair: part I (from 0) of N interleaved parts; None stays None."""
+    if value is None:
+        return None
+    try:
+        index, count = (int(part) for part in value.split("/")) if isinstance(value, str) \
+            else value
+        if isinstance(index, bool) or isinstance(count, bool) or index != int(index) \
+                or count != int(count):
+            raise TypeError
+    except (TypeError, ValueError):
+        raise ConfigError(f"shard {value!r} is not I/N (e.g. 0/4)") from None
+    if not 0 <= index < count:
+        raise ConfigError(f"shard {value!r}: I must lie in 0 .. N-1")
+    return int(index), int(count)
+
+
+@dataclass(frozen=True)
+class AttackSettings:
+    """l2 PGD on the samples no verifier certified (``lofast.attack.pgd_attack``)."""
+
+    steps: int = 100
+    restarts: int = 5
+    box: bool = True  # keep adversarial images in the pixel box [0, 1]
+    seed: int = 0
+    save_dir: Any = None  # a folder (str or Path): every counterexample found there as .npz
+
+    def __post_init__(self) -> None:
+        _check_int("attack steps", self.steps, 1, MAX_ATTACK_STEPS, ConfigError)
+        _check_int("attack restarts", self.restarts, 1, MAX_ATTACK_RESTARTS, ConfigError)
+        _check_int("seed", self.seed, 0, MAX_SEED, ConfigError)
+        if not isinstance(self.box, bool):
+            raise ConfigError(f"attack box must be true or false, not {self.box!r}")
+        object.__setattr__(self, "save_dir", _optional_path("save_adversarial", self.save_dir))
+
+    def describe(self) -> dict:
+        """The settings a record's verdicts depend on (for --resume)."""
+        return {"steps": self.steps, "restarts": self.restarts, "box": self.box,
+                "seed": self.seed}
+
+
+def _optional_path(name: str, value: Any) -> Path | None:
+    if value is None or isinstance(value, Path):
+        return value
+    if isinstance(value, (str, os.PathLike)) and str(value):
+        return Path(value)
+    raise ConfigError(f"{name} must be a path, not {value!r}")
+
+
+@dataclass(frozen=True)
+class CertifyConfig:
+    """One certification run, as ``lofast certify`` and ``lofast.certify`` take it; every field
+    is checked here, once, for both (``pipeline.run_certify`` runs it).
+
+    eps: one radius or several (numbers or texts such as "36/255"), kept as a sorted tuple of
+    distinct positive radii; checkpoint: a path, a loaded LipschitzViT, or None (the shipped
+    default); data: a path, a loaded ImageDataset, or None (the bundled sample); dataset: the
+    kind of data at a path (None: the checkpoint's); limit: the first N samples of the
+    class-balanced order (None: all); settings: a ``CertifySettings`` (None: the defaults);
+    fallback: one of FALLBACKS or None; attack: an ``AttackSettings`` (True: the defaults) or
+    None; out: the JSONL record file (resume continues it); shard: (I, N) or "I/N".
+    """
+
+    eps: Any
+    checkpoint: Any = None
+    data: Any = None
+    dataset: str | None = None
+    split: str = "test"
+    limit: int | None = None
+    batch_size: int | None = None
+    device: str = "auto"
+    settings: Any = None
+    fallback: str | None = None
+    fallback_timeout: float | None = None
+    attack: Any = None
+    out: Any = None
+    resume: bool = False
+    shard: Any = None
+    attention_report: bool = False
+    classes_unchecked: bool = False  # a checkpoint that names no classes: take the data's
+
+    def __post_init__(self) -> None:
+        set_ = functools.partial(object.__setattr__, self)  # frozen: normalised once, here
+        set_("eps", parse_radii(self.eps))
+        for name in ("checkpoint", "data"):
+            value = getattr(self, name)
+            if isinstance(value, (str, os.PathLike)):
+                set_(name, _optional_path(name, value))
+        if self.dataset is not None and self.dataset not in DATASETS:
+            raise ConfigError(f"dataset must be one of {', '.join(DATASETS)}, not "
+                              f"{self.dataset!r}")
+        if self.split not in SPLITS:
+            raise ConfigError(f"split must be one of {', '.join(SPLITS)}, not {self.split!r}")
+        if self.limit is not None:
+            _check_int("n", self.limit, 1, error=ConfigError)
+        if self.batch_size is not None:
+            _check_int("batch size", self.batch_size, 1, MAX_BATCH_SIZE, ConfigError)
+        if not isinstance(self.device, str) or not self.device:
+            raise ConfigError(f"device must be a name such as 'cpu' or 'cuda', not "
+                              f"{self.device!r}")
+        if self.fallback not in (None, *FALLBACKS):
+            raise ConfigError(f"fallback must be one of {', '.join(FALLBACKS)} or None, not "
+                              f"{self.fallback!r}")
+        if self.fallback_timeout is not None:
+            set_("fallback_timeout", parse_radius(self.fallback_timeout, "fallback timeout"))
+        if self.attack is True:
+            set_("attack", AttackSettings())
+        elif self.attack is False:
+            set_("attack", None)
+        elif self.attack is not None and not isinstance(self.attack, AttackSettings):
+            raise ConfigError(f"attack must be True, False or an AttackSettings, not "
+                              f"{self.attack!r}")
+        set_("out", _optional_path("out", self.out))
+        for name in ("resume", "attention_report", "classes_unchecked"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, not {getattr(self, name)!r}")
+        if self.resume and self.out is None:
+            raise ConfigError("--resume needs --out, the file to continue")
+        set_("shard", parse_shard(self.shard))
+        if self.settings is not None:
+            from lofast.certificate import CertifySettings  # torch: only where given
+
+            if not isinstance(self.settings, CertifySettings):
+                raise ConfigError(f"settings must be a CertifySettings, not "
+                                  f"{type(self.settings).__name__}")
