@@ -64,7 +64,7 @@ from lofast.data import load_dataset
 from lofast.data.sample import class_balanced_order, load_bundled_sample
 from lofast.pipeline import default_batch_size
 from lofast.report import eps_key
-from lofast.train import resolve_device
+from lofast.train_loop import resolve_device
 
 # CIFAR-10, ViT depth 3 width 128, 1,000 test samples; certified accuracy in %.
 PAPER_SOURCE = "LoFAST paper, CIFAR-10, ViT depth 3 width 128, 1,000 test samples"

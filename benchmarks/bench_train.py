@@ -35,7 +35,7 @@ from lofast.checkpoint import load_checkpoint
 from lofast.config import TrainConfig, preset
 from lofast.models.vit import LipschitzViT, create_model
 from lofast.objective import CompiledObjective, TrainingObjective
-from lofast.train import resolve_device, training_step
+from lofast.train_loop import resolve_device, training_step
 from lofast.training_bound import TrainingBound
 
 EPOCH_IMAGES = 50_000

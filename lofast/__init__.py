@@ -8,7 +8,7 @@ torch:
     run = lofast.certify(eps=[0.02, 0.05], n=20)  # the shipped default, bundled test images
     print(run.summary.certified_accuracy)
 
-load_model, list_models, load_data, certify and Certification come from ``lofast.api``;
+load_model, list_models, load_data, certify, train and Certification come from ``lofast.api``;
 Certifier and CertifySettings (one batch at a time, per-sample certificates as tensors) from
 ``lofast.certificate``.
 """
@@ -18,10 +18,10 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "load_model": "lofast.api", "load_data": "lofast.api", "certify": "lofast.api",
     "Certification": "lofast.api", "Certifier": "lofast.certificate",
-    "CertifySettings": "lofast.certificate", "list_models": "lofast.api",
+    "CertifySettings": "lofast.certificate", "list_models": "lofast.api", "train": "lofast.api",
 }
 __all__ = ["Certification", "Certifier", "CertifySettings", "certify", "list_models",
-           "load_data", "load_model"]
+           "load_data", "load_model", "train"]
 assert sorted(__all__) == sorted(_EXPORTS)
 
 

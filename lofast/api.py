@@ -20,13 +20,15 @@ from pathlib import Path
 
 from lofast.certificate import CertifySettings
 from lofast.checkpoint import checkpoint_path, list_models, load_checkpoint
-from lofast.config import AttackSettings, CertifyConfig
+from lofast.config import AttackSettings, CertifyConfig, ConfigError, TrainConfig, TrainRun
 from lofast.data import ImageDataset, load_dataset
 from lofast.data.sample import load_bundled_sample
 from lofast.models.vit import LipschitzViT
 from lofast.pipeline import Certification, RunProgress, run_certify
+from lofast.train_loop import EpochStats
+from lofast.train_pipeline import TrainProgress, run_train
 
-__all__ = ["Certification", "certify", "list_models", "load_data", "load_model"]
+__all__ = ["Certification", "certify", "list_models", "load_data", "load_model", "train"]
 
 
 def load_model(checkpoint: str | Path | None = None) -> LipschitzViT:
@@ -77,3 +79,28 @@ def certify(checkpoint: str | Path | LipschitzViT | None = None,
                            resume=resume, shard=shard, attention_report=attention_report,
                            classes_unchecked=classes_unchecked)
     return run_certify(config, progress)
+
+
+def train(data: str | Path, out: str | Path, *, dataset: str = "cifar10",
+          preset: str | None = None, model_options: dict | None = None,
+          init: str | Path | None = None, limit: int | None = None, device: str = "auto",
+          resume: bool = False, time_limit: float | None = None, overwrite: bool = False,
+          compile: bool = False, download: bool = False,
+          progress: TrainProgress | None = None, **settings) -> list[EpochStats]:
+    """Train a Lipschitz ViT on ``data`` (a path) and write the checkpoint ``out``, as ``lofast
+    train`` does: the same driver (``train_pipeline.run_train``), checks and defaults.
+
+    settings: fields of ``config.TrainConfig`` (epochs, batch_size, lr, loss, train_eps,
+    ablation_margin, ...); preset (default "paper-d3") and model_options (ModelConfig fields),
+    or init, a checkpoint to start from (its architecture kept); limit: the first N training
+    images; time_limit: seconds, then the state is saved and ``errors.TimeLimitReached`` raised
+    (resume=True continues). Returns the statistics of every epoch. Raises
+    ``errors.ConfigError`` for a bad argument, before any work."""
+    try:
+        config = TrainConfig(**settings)
+    except TypeError as e:  # an unknown setting
+        raise ConfigError(f"{e}; the settings are TrainConfig's fields") from None
+    run = TrainRun(data=data, out=out, dataset=dataset, download=download, preset=preset,
+                   model_options=model_options, init=init, device=device, compile=compile,
+                   limit=limit, resume=resume, time_limit=time_limit, overwrite=overwrite)
+    return run_train(config, run, progress)

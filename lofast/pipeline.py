@@ -70,7 +70,7 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
     from lofast.distributed import gather_on_first, process_group, torchrun_rank
     from lofast.files import check_writable
     from lofast.report import RecordWriter, merge_runs, summarize, write_records
-    from lofast.train import resolve_device
+    from lofast.train_loop import resolve_device
 
     progress = progress or RunProgress()
     shard, out, merged_out = config.shard, config.out, None

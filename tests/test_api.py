@@ -194,3 +194,51 @@ def test_shipped_models_by_name_from_the_registry(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "SHIPPED_DIR", copy)
     with pytest.raises(CheckpointError, match="not the shipped lofast-live"):
         lofast.load_model("lofast-live")
+
+
+def test_train_command_reads_its_defaults_from_the_configs():
+    """`lofast train`'s options default to TrainConfig's and TrainRun's fields: one set."""
+    from dataclasses import MISSING
+
+    import click
+
+    from lofast.cli.train_cmd import train as train_command
+    from lofast.config import TrainConfig, TrainRun
+
+    context = click.Context(train_command)
+    options = {p.name: p.get_default(context) for p in train_command.params}
+    renamed = {"data_path": "data", "init_path": "init", "compile_step": "compile"}
+    checked = 0
+    for config in (TrainConfig, TrainRun):
+        for field in fields(config):
+            name = next((k for k, v in renamed.items() if v == field.name), field.name)
+            if name not in options or field.default is MISSING or name == "model_options":
+                continue
+            default = field.default.value if hasattr(field.default, "value") else field.default
+            assert options[name] == default, name
+            checked += 1
+    assert checked >= 25
+
+
+def test_api_trains_and_certifies_with_everything_the_command_has(data_dir, tmp_path):
+    """lofast.train writes a checkpoint as `lofast train` does (its record included), and
+    lofast.certify runs the attack with records to a file, resumed."""
+    out = tmp_path / "m.safetensors"
+    history = lofast.train(data_dir, out, dataset="folder", preset="tiny", epochs=1,
+                           batch_size=16, device="cpu")
+    assert len(history) == 1 and out.exists()
+    from lofast.checkpoint import read_metadata
+
+    meta = read_metadata(out)
+    assert meta["classes"] == [f"class{c}" for c in range(4)]
+    assert meta["train_options"]["preset"] == "tiny" and meta["epochs"] == 1
+    with pytest.raises(lofast.errors.ConfigError):
+        lofast.train(data_dir, tmp_path / "n.safetensors", dataset="folder", epochs=1,
+                     no_such_setting=1)
+    records = tmp_path / "r.jsonl"
+    first = lofast.certify(out, data_dir, eps=0.1, n=4, dataset="folder", device="cpu",
+                           attack=True, out=records)
+    again = lofast.certify(out, data_dir, eps=0.1, n=6, dataset="folder", device="cpu",
+                           attack=True, out=records, resume=True)
+    assert [r.index for r in again.records[:4]] == [r.index for r in first.records]
+    assert again.summary.samples == 6 and all(r.falsified for r in again.records)

@@ -302,7 +302,7 @@ def test_weights_gone_non_finite_mid_epoch_are_one_clear_error(data_dir, tmp_pat
     that is divergence, reported as such at the next check, not a traceback."""
     import torch
 
-    import lofast.train as train_module
+    import lofast.train_loop as train_module
 
     original = train_module.training_step
     calls = {"n": 0}
@@ -330,7 +330,7 @@ def test_non_finite_weights_stop_training_and_keep_the_last_good_state(data_dir,
                                                                        monkeypatch):
     import torch
 
-    import lofast.train as train_module
+    import lofast.train_loop as train_module
 
     original = train_module.training_step
     calls = {"n": 0}

@@ -374,7 +374,7 @@ def test_evaluate_is_the_accuracy_of_the_exactly_capped_model():
     the model is left in eval mode with nothing held."""
     import numpy as np
 
-    from lofast.train import evaluate
+    from lofast.train_loop import evaluate
 
     model = create_model(preset("tiny", num_classes=4), seed=0).train()
     rng = np.random.default_rng(0)
@@ -464,7 +464,7 @@ def test_augment_crops_and_flips_from_its_generator():
     or not, chosen by the generator (the same seed, the same batch), all of them in use."""
     import torch.nn.functional as F
 
-    from lofast.train import augment
+    from lofast.train_loop import augment
 
     images = torch.rand(64, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     out = augment(images, torch.Generator().manual_seed(1))

@@ -98,7 +98,7 @@ def show_attention(model, meta, data_path, dataset, split, limit, eps_values, ba
     from lofast.cli.progress import phase_progress
     from lofast.pipeline import default_batch_size, load_samples
     from lofast.report import ablation_table, attention_table
-    from lofast.train import resolve_device
+    from lofast.train_loop import resolve_device
 
     dev = resolve_device(device)
     settings = CertifySettings()

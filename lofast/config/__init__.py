@@ -3,7 +3,7 @@ it imports torch, so the command line reads its option defaults from here at no 
 
 - ``base``: the names users choose, the certification defaults, limits, shared checks;
 - ``model``: ``ModelConfig`` and the presets;
-- ``training``: ``TrainConfig``;
+- ``training``: ``TrainConfig`` and ``TrainRun`` (a training run);
 - ``certify``: ``CertifyConfig`` and ``AttackSettings`` (a certification run).
 """
 
@@ -36,14 +36,41 @@ from lofast.config.certify import (
     parse_radius,
     parse_shard,
 )
-from lofast.config.model import PRESETS, ModelConfig, preset
-from lofast.config.training import TrainConfig
+from lofast.config.model import INIT_OPTIONS, PRESETS, ModelConfig, preset
+from lofast.config.training import TrainConfig, TrainRun
 from lofast.errors import ConfigError
 
 __all__ = [
-    "BOUNDS", "CERTIFY_DEFAULTS", "DATASETS", "FALLBACKS", "GUARANTEES", "KAPPAS",
-    "MAX_ATTACK_RESTARTS", "MAX_ATTACK_STEPS", "MAX_BATCH_SIZE", "MAX_PARAMETERS", "MAX_SEED",
-    "PRESETS", "SPLITS", "AttackSettings", "Bound", "CertifyConfig", "CertifyDefaults", "Choice",
-    "ConfigError", "Loss", "ModelConfig", "Pooling", "Schedule", "TrainConfig", "Weights",
-    "parse_radii", "parse_radius", "parse_shard", "plain_dict", "preset",
+    "BOUNDS",
+    "CERTIFY_DEFAULTS",
+    "DATASETS",
+    "FALLBACKS",
+    "GUARANTEES",
+    "INIT_OPTIONS",
+    "KAPPAS",
+    "MAX_ATTACK_RESTARTS",
+    "MAX_ATTACK_STEPS",
+    "MAX_BATCH_SIZE",
+    "MAX_PARAMETERS",
+    "MAX_SEED",
+    "PRESETS",
+    "SPLITS",
+    "AttackSettings",
+    "Bound",
+    "CertifyConfig",
+    "CertifyDefaults",
+    "Choice",
+    "ConfigError",
+    "Loss",
+    "ModelConfig",
+    "Pooling",
+    "Schedule",
+    "TrainConfig",
+    "TrainRun",
+    "Weights",
+    "parse_radii",
+    "parse_radius",
+    "parse_shard",
+    "plain_dict",
+    "preset",
 ]

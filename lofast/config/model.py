@@ -171,3 +171,14 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     if name not in PRESETS:
         raise LofastError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
     return ModelConfig.from_dict({**dataclasses.asdict(PRESETS[name]), **overrides})
+
+
+# Options a trained model can take on (``lofast train --init CKPT --model-option ...``): each
+# keeps every weight of the model and adds only zero-initialised ones.
+INIT_OPTIONS = {
+    "position_bias": "zero position biases (the same function), free to train",
+    "score_norm": "every head's ||Wq_l Wk_l^T|| fixed at this value (attention kept alive)",
+    "query_key": "'identity': Wq = Wk = I, the learned query and key weights dropped",
+    "value_norm": "every head's ||Wv_l Wo_l|| fixed at this value (attention kept alive)",
+    "live_blocks": "the three options above only in the last N blocks",
+}

@@ -1,12 +1,17 @@
-"""The settings of a training run."""
+"""The settings of a training run: how it trains (``TrainConfig``, saved with the checkpoint)
+and what it reads and writes (``TrainRun``)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
-from lofast.config.base import Loss, Schedule, _check_int, _check_positive, _is_real
-from lofast.errors import LofastError
+from lofast.config.base import DATASETS, Loss, Schedule, _check_int, _check_positive, _is_real
+from lofast.config.certify import _optional_path, parse_radius
+from lofast.config.model import INIT_OPTIONS, PRESETS
+from lofast.errors import ConfigError, LofastError
 
 
 @dataclass(frozen=True)
@@ -54,3 +59,70 @@ class TrainConfig:
             raise LofastError("--loss certified needs a positive --train-eps")
         if not _is_real(self.clean_mix) or not 0.0 <= self.clean_mix <= 1.0:
             raise LofastError("clean mix must lie in [0, 1]")
+
+
+DEFAULT_PRESET = "paper-d3"  # the architecture of a run given neither a preset nor --init
+
+
+@dataclass(frozen=True)
+class TrainRun:
+    """What a training run reads and writes beside its ``TrainConfig``, as ``lofast train`` and
+    ``lofast.train`` take it; checked here, once, for both (``train_pipeline.run_train`` runs
+    it).
+
+    data: the data set (a path); out: the checkpoint to write (its resumable state beside it,
+    ``OUT.state.pt``); dataset: its kind; preset and model_options: the architecture (None
+    with init); init: a checkpoint to start from, whose architecture is kept (model_options may
+    then only add what ``INIT_OPTIONS`` allows); limit: the first N training images
+    of the class-balanced order; time_limit: seconds, after which the run stops at a step with
+    its state saved (``errors.TimeLimitReached``); compile: CUDA graphs (one CUDA device).
+    """
+
+    data: Any
+    out: Any
+    dataset: str = "cifar10"
+    download: bool = False
+    preset: str | None = None  # DEFAULT_PRESET without init
+    model_options: Any = None
+    init: Any = None
+    device: str = "auto"
+    compile: bool = False
+    limit: int | None = None
+    resume: bool = False
+    time_limit: float | None = None
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = functools.partial(object.__setattr__, self)
+        for name in ("data", "out"):
+            if getattr(self, name) is None:
+                raise ConfigError(f"a training run needs {name}")
+            set_(name, _optional_path(name, getattr(self, name)))
+        set_("init", _optional_path("init", self.init))
+        if self.dataset not in DATASETS:
+            raise ConfigError(f"dataset must be one of {', '.join(DATASETS)}, not "
+                              f"{self.dataset!r}")
+        if self.init is not None and (self.preset is not None
+                                      or not set(self.model_options or {}) <= set(INIT_OPTIONS)):
+            raise ConfigError("--init takes the architecture from the checkpoint; drop --preset "
+                              "and --model-option (only " + ", ".join(INIT_OPTIONS)
+                              + " may be added)")
+        if self.init is None and self.preset is None:
+            set_("preset", DEFAULT_PRESET)
+        if self.init is None and self.preset not in PRESETS:
+            raise ConfigError(f"unknown preset {self.preset!r}; choose from "
+                              f"{', '.join(PRESETS)}")
+        options = dict(self.model_options or {})
+        if not all(isinstance(k, str) for k in options):
+            raise ConfigError("model options are named by strings")
+        set_("model_options", options)
+        if self.limit is not None:
+            _check_int("limit", self.limit, 1, error=ConfigError)
+        if self.time_limit is not None:
+            set_("time_limit", parse_radius(self.time_limit, "time_limit"))
+        for name in ("download", "compile", "resume", "overwrite"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, not {getattr(self, name)!r}")
+        if not isinstance(self.device, str) or not self.device:
+            raise ConfigError(f"device must be a name such as 'cpu' or 'cuda', not "
+                              f"{self.device!r}")

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from lofast.bounds.stages import StageSpec
-from lofast.config import ModelConfig, Weights
+from lofast.config import INIT_OPTIONS, ModelConfig, Weights
 from lofast.errors import LofastError
 from lofast.models.layers import (
     SLL,
@@ -122,17 +122,6 @@ class LipschitzViT(nn.Module):
         weights, or with ``differentiable`` the effective weights themselves (gradients flow)."""
         with torch.set_grad_enabled(differentiable and torch.is_grad_enabled()):
             return [stage.spec(differentiable) for stage in self.stages]
-
-
-# Options a trained model can take on (``lofast train --init CKPT --model-option ...``): each
-# keeps every weight of the model and adds only zero-initialised ones.
-INIT_OPTIONS = {
-    "position_bias": "zero position biases (the same function), free to train",
-    "score_norm": "every head's ||Wq_l Wk_l^T|| fixed at this value (attention kept alive)",
-    "query_key": "'identity': Wq = Wk = I, the learned query and key weights dropped",
-    "value_norm": "every head's ||Wv_l Wo_l|| fixed at this value (attention kept alive)",
-    "live_blocks": "the three options above only in the last N blocks",
-}
 
 
 def with_options(model: LipschitzViT, **changes) -> LipschitzViT:
