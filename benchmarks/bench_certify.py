@@ -36,7 +36,7 @@ from lofast.bounds.spectral import SpectralMethod
 from lofast.certificate import BOUND_TERMS, Certifier, CertifySettings
 from lofast.checkpoint import default_checkpoint_path, load_checkpoint
 from lofast.data.sample import class_balanced_order, load_bundled_sample
-from lofast.train_loop import resolve_device
+from lofast.runtime import resolve_device
 
 KINDS = {"exact": "verified", "exact-dense": "dense", "probabilistic": "lanczos",
          "estimate": "power"}

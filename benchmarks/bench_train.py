@@ -35,7 +35,8 @@ from lofast.checkpoint import load_checkpoint
 from lofast.config import TrainConfig, preset
 from lofast.models.vit import LipschitzViT, create_model
 from lofast.objective import CompiledObjective, TrainingObjective
-from lofast.train_loop import resolve_device, training_step
+from lofast.runtime import resolve_device
+from lofast.train_loop import training_step
 from lofast.training_bound import TrainingBound
 
 EPOCH_IMAGES = 50_000

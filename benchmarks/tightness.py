@@ -24,7 +24,7 @@ from lofast.attention_report import ablate_attention, mean_attention
 from lofast.checkpoint import list_models, shipped_path
 from lofast.config import AttackSettings
 from lofast.data.sample import class_balanced_order
-from lofast.train_loop import resolve_device
+from lofast.runtime import resolve_device
 
 EPS = (0.02, 0.05, 0.1, 36 / 255)
 EPS_NAMES = ("0.02", "0.05", "0.1", "36/255")

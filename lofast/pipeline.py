@@ -70,7 +70,7 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
     from lofast.distributed import gather_on_first, process_group, torchrun_rank
     from lofast.files import check_writable
     from lofast.report import RecordWriter, merge_runs, summarize, write_records
-    from lofast.train_loop import resolve_device
+    from lofast.runtime import default_batch_size, resolve_device
 
     progress = progress or RunProgress()
     shard, out, merged_out = config.shard, config.out, None
@@ -327,14 +327,6 @@ def run_name(run: dict) -> str:
     import json
 
     return hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def default_batch_size(device: torch.device) -> int:
-    """Samples certified together when no batch size is given: 16 on CPU, where larger batches
-    ran slower per sample in benchmarks/bench_certify.py; 1024 on a GPU, where the width-128
-    default's whole test set took 7.5 s end to end against 10.0 s at 256 (H200,
-    docs/studies/certifier-speed.md)."""
-    return 1024 if device.type == "cuda" else 16
 
 
 def load_samples(model: nn.Module, metadata: dict, data: object, dataset: str | None,

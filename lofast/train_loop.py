@@ -23,21 +23,6 @@ from lofast.objective import CompiledObjective, TrainingObjective, scheduled_eps
 from lofast.training_bound import TrainingBound
 
 
-def resolve_device(name: str) -> torch.device:
-    """'auto' picks CUDA when present; asking for CUDA without one is an error, not a fallback."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise LofastError(f"unknown device {name!r}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise LofastError(f"device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise LofastError(f"device {name!r} requested but no CUDA GPU is available")
-    return device
-
-
 def augment(images: Tensor, generator: torch.Generator) -> Tensor:
     """Random crop with 4-pixel zero padding and random horizontal flip, (B, C, H, W), drawn
     from ``generator``, a generator of the images' device: nothing goes through the host."""

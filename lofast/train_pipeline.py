@@ -51,7 +51,8 @@ def run_train(config: TrainConfig, run: TrainRun, progress: TrainProgress | None
     from lofast.distributed import process_group, torchrun_rank
     from lofast.files import check_writable
     from lofast.models.vit import create_model, with_options
-    from lofast.train_loop import resolve_device, train
+    from lofast.runtime import resolve_device
+    from lofast.train_loop import train
 
     progress = progress or TrainProgress()
     deadline = None if run.time_limit is None else time.monotonic() + run.time_limit

@@ -96,9 +96,9 @@ def show_attention(model, meta, data_path, dataset, split, limit, eps_values, ba
     from lofast.attention_report import attention_report
     from lofast.certificate import CertifySettings
     from lofast.cli.progress import phase_progress
-    from lofast.pipeline import default_batch_size, load_samples
+    from lofast.pipeline import load_samples
     from lofast.report import ablation_table, attention_table
-    from lofast.train_loop import resolve_device
+    from lofast.runtime import default_batch_size, resolve_device
 
     dev = resolve_device(device)
     settings = CertifySettings()
