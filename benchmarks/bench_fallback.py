@@ -41,7 +41,7 @@ from lofast.bab import BabSettings
 from lofast.checkpoint import load_checkpoint
 from lofast.data import load_dataset
 from lofast.pipeline import run_fallback
-from lofast.report import eps_key, read_run, write_records
+from lofast.records import eps_key, read_run, write_records
 
 CONFIGS = {"none": None, "crown": ("crown", None), "alpha-crown": ("alpha-crown", None),
            "beta-crown": ("beta-crown", BabSettings(heuristic="babsr")),

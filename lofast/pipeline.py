@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from lofast.certificate import Certifier, CertifySettings
 from lofast.config import FALLBACKS, AttackSettings, CertifyConfig
 from lofast.errors import CertificationError, ConfigError, LofastError
-from lofast.report import SampleRecord, Summary, eps_key
+from lofast.records import SampleRecord, eps_key
+from lofast.report import Summary
 
 if TYPE_CHECKING:
     from lofast.attention_report import AttentionReport
@@ -69,7 +70,8 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
     and returns the whole run, the others return None."""
     from lofast.distributed import gather_on_first, process_group, torchrun_rank
     from lofast.files import check_writable
-    from lofast.report import RecordWriter, merge_runs, summarize, write_records
+    from lofast.records import RecordWriter, merge_runs, write_records
+    from lofast.report import summarize
     from lofast.runtime import default_batch_size, resolve_device
 
     progress = progress or RunProgress()

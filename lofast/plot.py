@@ -10,7 +10,7 @@ import numpy as np
 
 from lofast.errors import LofastError
 from lofast.files import atomic_write
-from lofast.report import SampleRecord
+from lofast.records import SampleRecord
 
 INSTALL_HINT = 'pip install matplotlib  (or: pip install -e ".[report]")'
 FORMATS = (".png", ".pdf", ".svg")  # what --plot writes, by the file's suffix

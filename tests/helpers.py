@@ -66,3 +66,12 @@ def write_image_folder(root, per_class, seed):
                 noise = rng.integers(-40, 40, (32, 32, 3))
                 pixels = np.clip(colour + noise, 0, 255).astype(np.uint8)
                 Image.fromarray(pixels).save(folder / f"{i:03d}.png")
+
+
+def record_lines(path):
+    """The decoded record lines of a `lofast certify --out` file, without its header line."""
+    import json
+    from pathlib import Path
+
+    lines = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    return [line for line in lines if "schema" not in line]

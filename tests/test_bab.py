@@ -437,14 +437,14 @@ def test_fallback_fields_read_back_and_old_records_still_read():
     import dataclasses
     import json
 
-    from lofast.report import SampleRecord, record_from_json
+    from lofast.records import SampleRecord, record_from_json
 
     record = SampleRecord(index=3, label=1, prediction=1, margin=0.1, radius=0.0,
                           verdicts={"0.05": False}, bounds={"0.05": 0.0},
                           verifiers={"0.05": None},
                           fallback={"0.05": {"method": "beta-crown", "verdict": "unknown",
                                              "bound": -0.01, "domains": 17, "seconds": 2.5}})
-    assert record_from_json(json.loads(record.to_json())) == record
+    assert record_from_json(json.loads(record.to_json(schema=1))) == record
     old = dataclasses.asdict(record)
     del old["fallback"], old["falsified"], old["counterexamples"]  # as files before them
     assert record_from_json(old).fallback == {}
@@ -457,7 +457,7 @@ def test_run_fallback_writes_beta_crown_results_to_the_records(tiny):
     """What `lofast certify --fallback beta-crown` runs after LoFAST, on records LoFAST left
     open: verdicts, verifier, reasons, the fallback entry, and progress per sample."""
     from lofast.pipeline import run_fallback
-    from lofast.report import SampleRecord, record_from_json
+    from lofast.records import SampleRecord, record_from_json
 
     model, x, y = tiny
     eps = [0.05, 0.1]
@@ -470,7 +470,7 @@ def test_run_fallback_writes_beta_crown_results_to_the_records(tiny):
                  lambda phase, done, total: calls.append((phase, done, total)))
     assert calls[:5] == [("beta-crown at eps=0.05", done, 4) for done in range(5)]
     for r in records:
-        assert record_from_json(json.loads(r.to_json())) == r
+        assert record_from_json(json.loads(r.to_json(schema=1))) == r
         for key, entry in r.fallback.items():
             assert entry["method"] == "beta-crown" and entry["domains"] >= 1
             assert r.verdicts[key] == (entry["verdict"] == "verified")

@@ -7,7 +7,7 @@ import signal
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers import write_image_folder
+from helpers import record_lines, write_image_folder
 from PIL import Image
 
 from lofast.checkpoint import load_checkpoint, read_metadata
@@ -253,7 +253,7 @@ def test_certify_summary_jsonl_and_resume(checkpoint, data_dir, tmp_path):
     result = runner.invoke(cli, base + ["--n", "10", "--out", str(out), "--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    records = record_lines(out)
     assert summary["samples"] == len(records) == 10
     for key in ("0.02", "0.1"):
         share = sum(r["verdicts"][key] for r in records) / 10
@@ -264,8 +264,8 @@ def test_certify_summary_jsonl_and_resume(checkpoint, data_dir, tmp_path):
     # resume to 16 samples: the first 10 are kept, 6 are added
     result = runner.invoke(cli, base + ["--n", "16", "--out", str(out), "--resume", "--json"])
     assert result.exit_code == 0, result.output
-    lines = out.read_text().splitlines()
-    assert len(lines) == 16 and [json.loads(x) for x in lines[:10]] == records
+    lines = record_lines(out)
+    assert len(lines) == 16 and lines[:10] == records
     assert json.loads(result.stdout)["samples"] == 16
 
 

@@ -10,9 +10,10 @@ import os
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from helpers import record_lines
 
 from lofast.cli.main import cli
-from lofast.report import RecordWriter
+from lofast.records import RecordWriter
 
 pytestmark = pytest.mark.usefixtures("shared_cache")
 
@@ -170,7 +171,7 @@ def test_bad_input_is_one_clear_error_and_changes_nothing(case, checkpoint, data
 
 def test_second_writer_of_one_record_file_is_refused(checkpoint, data_dir, tmp_path):
     out = tmp_path / "r.jsonl"
-    from lofast.report import eps_key
+    from lofast.records import eps_key
 
     holder = RecordWriter(out, False, [0.1], {"run": eps_key(0.1)})  # another run, still going
     try:
@@ -183,7 +184,7 @@ def test_second_writer_of_one_record_file_is_refused(checkpoint, data_dir, tmp_p
 
 
 def test_full_disk_keeps_finished_records(checkpoint, data_dir, tmp_path, monkeypatch):
-    import lofast.report
+    import lofast.records
 
     out = tmp_path / "r.jsonl"
     calls = {"n": 0}
@@ -195,11 +196,11 @@ def test_full_disk_keeps_finished_records(checkpoint, data_dir, tmp_path, monkey
             raise OSError(errno.ENOSPC, "No space left on device")
         real_fsync(fd)
 
-    monkeypatch.setattr(lofast.report.os, "fsync", fsync_then_fill)
+    monkeypatch.setattr(lofast.records.os, "fsync", fsync_then_fill)
     result = invoke(*certify_args(checkpoint, data_dir, "--out", out, "--batch-size", "2",
                                   "--n", "6"))
     assert_one_clear_error(result, "No space left")
-    monkeypatch.setattr(lofast.report.os, "fsync", real_fsync)
+    monkeypatch.setattr(lofast.records.os, "fsync", real_fsync)
     result = invoke(*certify_args(checkpoint, data_dir, "--out", out, "--batch-size", "2",
                                   "--n", "6", "--resume", "--json"))
     assert result.exit_code == 0, result.output
@@ -214,7 +215,7 @@ def test_resume_counts_only_the_requested_samples(checkpoint, data_dir, tmp_path
                                   "--json"))
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["samples"] == 2
-    assert len(out.read_text().splitlines()) == 8  # the other records stay in the file
+    assert len(record_lines(out)) == 8  # the other records stay in the file
 
 
 def test_distinct_eps_never_share_a_key(checkpoint, data_dir, tmp_path):
@@ -381,7 +382,7 @@ def test_a_bound_that_overflows_certifies_nothing_and_every_record_is_written(da
     out = tmp_path / "r.jsonl"
     result = invoke(*certify_args(checkpoint, data_dir, "--out", out, "--n", "6", "--json"))
     assert result.exit_code == 0, result.output
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    records = record_lines(out)
     assert len(records) == 6
     for r in records:
         assert r["verdicts"] == {"0.1": False} and r["bounds"] == {"0.1": None}
@@ -413,7 +414,7 @@ def test_a_full_disk_at_the_training_state_is_one_line_and_keeps_the_last_state(
 
 
 def test_interrupts_name_resume_only_where_a_command_has_it(monkeypatch, tmp_path):
-    import lofast.report
+    import lofast.records
 
     path = tmp_path / "run.jsonl"
     path.write_text(HOSTILE_RECORDS["run.jsonl"] + "\n")
@@ -421,7 +422,7 @@ def test_interrupts_name_resume_only_where_a_command_has_it(monkeypatch, tmp_pat
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(lofast.report, "read_run", interrupted)
+    monkeypatch.setattr(lofast.records, "read_run", interrupted)
     result = invoke("report", path)
     assert result.exit_code == 130 and "interrupted" in result.output
     assert "--resume" not in result.output
@@ -487,3 +488,22 @@ def test_counterexamples_of_two_runs_share_a_folder_and_a_bad_folder_stops_first
                                   "--save-adversarial", notes / "adversarial"))
     assert_one_clear_error(result, "cannot write")
     assert not out.exists() and notes.read_text() == "not a folder\n"
+
+
+def test_a_schema_1_file_resumes_as_schema_1(checkpoint, data_dir, tmp_path):
+    """A record file written before the header (schema 1) is continued in its own schema, and
+    a file of a newer schema is refused in one line."""
+    import lofast
+    from lofast.records import read_run
+
+    out = tmp_path / "r.jsonl"
+    run = lofast.certify(checkpoint, data_dir, eps=0.1, n=4, device="cpu")
+    out.write_text("".join(r.to_json(schema=1) + "\n" for r in run.records))
+    result = invoke(*certify_args(checkpoint, data_dir, "--n", "8", "--out", out, "--resume"))
+    assert result.exit_code == 0, result.output
+    lines = out.read_text().splitlines()
+    assert len(lines) == 8 and all('"run": ' in line for line in lines)
+    assert [r.index for r in read_run(out)[:4]] == [r.index for r in run.records]
+    newer = tmp_path / "newer.jsonl"
+    newer.write_text('{"schema": 3, "eps": ["0.1"], "run": {}}\n')
+    assert_one_clear_error(invoke("report", newer), "schema 3")

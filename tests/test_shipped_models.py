@@ -28,6 +28,7 @@ from lofast.certificate import Certifier, CertifySettings
 from lofast.checkpoint import SHIPPED_DIR, load_checkpoint
 from lofast.cli.main import cli
 from lofast.data.sample import class_balanced_order, load_bundled_sample
+from lofast.records import read_run
 
 REFERENCE = json.loads((SHIPPED_DIR / "reference.json").read_text())
 CHECKPOINTS = sorted(REFERENCE["checkpoints"])
@@ -113,7 +114,7 @@ def test_api_gives_the_cli_records(one_thread, tmp_path):
     result = CliRunner().invoke(cli, ["certify", "--eps", "0.05", "--eps", "36/255", "--n", "6",
                                       "--out", str(out), "--json"])
     assert result.exit_code == 0, result.output
-    cli_records = [json.loads(line) for line in out.read_text().splitlines()]
+    cli_records = [asdict(r) for r in read_run(out)]
     run = lofast.certify(eps=[36 / 255, 0.05], n=6)
     assert len(run.records) == len(cli_records) == 6
     for mine, theirs in zip(run.records, cli_records):
@@ -124,3 +125,31 @@ def test_api_gives_the_cli_records(one_thread, tmp_path):
     summary = json.loads(result.stdout)
     assert run.summary.certified_accuracy == summary["certified_accuracy"]
     assert run.summary.guarantee == summary["guarantee"]
+
+
+def test_records_survive_a_schema_1_to_2_round_trip(one_thread, tmp_path):
+    """lofast-live's records of 100 bundled images (with an attack's and a fallback's fields on
+    some), written as a schema-1 file (no header, run settings in every record), read, written
+    as schema 2 and read again: identical field by field; report reads both alike."""
+    from lofast.records import SCHEMA, write_records
+
+    run = lofast.certify("lofast-live", eps=[0.02, 0.05], n=100, device="cpu")
+    for r in run.records[:10]:  # the fields of --attack and --fallback, as they are written
+        r.adversarial_radius = 0.25
+        r.falsified = {"0.02": False, "0.05": False}
+        r.fallback = {"0.05": {"method": "crown", "verdict": "unknown", "bound": -0.1,
+                               "domains": None, "seconds": 1.5}}
+        r.fallback_seconds = {"0.05": 1.5}
+    old = tmp_path / "schema1.jsonl"
+    old.write_text("".join(r.to_json(schema=1) + "\n" for r in run.records))
+    first = read_run(old)
+    new = tmp_path / "schema2.jsonl"
+    write_records(new, first)
+    assert json.loads(new.read_text().splitlines()[0])["schema"] == SCHEMA == 2
+    second = read_run(new)
+    assert [asdict(r) for r in second] == [asdict(r) for r in first] == [asdict(r) for r in
+                                                                          run.records]
+    shown = [json.loads(CliRunner().invoke(cli, ["report", str(p), "--json"]).stdout)[str(p)]
+             for p in (old, new)]
+    shown[0].pop("total_seconds"), shown[1].pop("total_seconds")
+    assert shown[0] == shown[1]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import train_tiny
+from helpers import record_lines, train_tiny
 from PIL import Image
 
 from lofast.attack import pgd_attack
@@ -111,7 +111,7 @@ def test_attack_gives_three_verdicts(checkpoint, data_dir, tmp_path):
     saved = tmp_path / "adversarial"
     summary = certify(checkpoint, data_dir, tmp_path / "r.jsonl", "--attack", "--attack-steps",
                       "20", "--attack-restarts", "1", "--save-adversarial", str(saved))
-    records = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    records = record_lines(tmp_path / "r.jsonl")
     model = load_checkpoint(checkpoint).double()
     for key in ("0.02", "0.5"):
         certified = summary["certified_accuracy"][key]

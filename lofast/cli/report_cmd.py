@@ -21,7 +21,8 @@ from lofast.cli.console import stderr, stdout
 @click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON on stdout.")
 def report(runs, plot_path, merge, as_json) -> None:
     """Summarise RUNS (files written by `lofast certify --out`), side by side."""
-    from lofast.report import merge_runs, read_run, summarize, summary_table
+    from lofast.records import merge_runs, read_run
+    from lofast.report import summarize, summary_table
 
     if plot_path is not None:
         from lofast.plot import check_plot_path

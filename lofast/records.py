@@ -1,0 +1,404 @@
+"""Per-sample records and their files (JSONL): the record, its schema, the writer that appends
+and resumes, the reader that checks every value, and the merge of a run's shards.
+
+Schema 2 (written now): a header line ``{"schema": 2, "eps": [keys], "run": {settings}}``,
+then one record a line, each without the run settings and with its ``certified_radius`` (the
+largest radius any verifier certified). Schema 1 (earlier files, read and resumed as they are):
+no header, every record carrying its ``run``. Eps keys are ``eps_key`` texts, in files alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lofast.errors import LofastError
+from lofast.files import atomic_write, check_readable, read_lines
+
+SCHEMA = 2  # the record schema this lofast writes
+
+
+def eps_key(eps: float) -> str:
+    """The text form of an eps value used as a JSON key: the shortest decimal that reads back
+    as the same float, so two distinct eps never share a key (36/255 is 0.1411764705882353)."""
+    return repr(float(eps))
+
+
+@dataclass
+class SampleRecord:
+    """One certified sample. verdicts/bounds/verifiers are keyed by eps_key(eps)."""
+
+    index: int
+    label: int
+    prediction: int
+    margin: float  # min_j z_y - z_j (negative when misclassified)
+    radius: float  # largest radius LoFAST certifies (0 when misclassified)
+    verdicts: dict[str, bool]  # certified at eps, by any verifier
+    bounds: dict[str, float]  # LoFAST's feature-space radius at eps
+    verifiers: dict[str, str | None]  # which verifier certified ("lofast", "crown", ...)
+    reasons: dict[str, str] = field(default_factory=dict)  # why not certified, when known
+    rule: str = "pairwise-head"  # z_y - z_j > ||w_y - w_j|| delta_h for all j
+    seconds: float = 0.0  # time spent on this sample (its share of the batch, all stages)
+    fallback_seconds: dict[str, float] = field(default_factory=dict)
+    # What the verdicts depend on (checkpoint and data digests, bound, guarantee, fallback):
+    # a resumed run must match it, so that one file never mixes two runs' certificates.
+    run: dict[str, Any] = field(default_factory=dict)
+    # With --attack: whether an adversarial example was found at eps (never where certified),
+    # and for each found one {"norm": its l2 norm, "class": the class predicted there, "file":
+    # where it was saved or None}. Empty where no attack ran.
+    falsified: dict[str, bool] = field(default_factory=dict)
+    counterexamples: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Per eps where a fallback verifier ran: {"method", "verdict" ("verified" / "unknown" /
+    # "falsified"), "bound" (its lower bound on the smallest margin, or None), "domains"
+    # (subdomains bounded by branch and bound, or None), "seconds"}. Empty in older files.
+    fallback: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # With --attack: the smallest l2 distance at which an attack changed the prediction (0 when
+    # misclassified; None where none was found, or no attack ran). radius / adversarial_radius
+    # says how much of the robustness the attack cannot break the certificate shows.
+    adversarial_radius: float | None = None
+
+    @property
+    def certified_radius(self) -> float:
+        """The largest radius certified by any verifier: LoFAST's radius, or a larger eps a
+        fallback verifier certified."""
+        return max([self.radius] + [float(k) for k, v in self.verdicts.items() if v])
+
+    def verdict(self, key: str) -> str:
+        """"certified", "falsified" or "unknown" at eps key (VNN-COMP's three verdicts)."""
+        if self.verdicts[key]:
+            return "certified"
+        return "falsified" if self.falsified.get(key) else "unknown"
+
+    def to_json(self, schema: int = SCHEMA) -> str:
+        """The record's line: in schema 2 without the run settings (the file's header holds
+        them) and with ``certified_radius``; in schema 1 (files written before the header)
+        with its run settings."""
+        values = asdict(self)
+        if schema >= 2:
+            del values["run"]
+            values["certified_radius"] = self.certified_radius
+        return json.dumps(values, allow_nan=False)
+
+
+# Every record line starts so (dataclass field order), a header line with HEADER_START: a final
+# line without its newline that starts so is one torn by an interrupt; anything else is not a
+# record file of ours.
+RECORD_START = b'{"index": '
+HEADER_START = b'{"schema": '
+
+# Field -> accepted JSON types, checked when records are read back (--resume, lofast report).
+RECORD_FIELDS: dict[str, tuple[type, ...]] = {
+    "index": (int,), "label": (int,), "prediction": (int,), "margin": (int, float),
+    "radius": (int, float), "verdicts": (dict,), "bounds": (dict,), "verifiers": (dict,),
+    "reasons": (dict,), "rule": (str,), "seconds": (int, float), "fallback_seconds": (dict,),
+    "run": (dict,),
+}
+OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"falsified": (dict,), "counterexamples": (dict,),
+                                                 "fallback": (dict,),
+                                                 "adversarial_radius": (int, float, type(None))}
+
+
+def _lock(handle) -> bool:
+    """An exclusive advisory lock on the open file, without waiting; True where taken (or
+    where the platform has no flock, which leaves the file unlocked)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return True
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
+class RecordWriter:
+    """Appends records to a JSONL file and flushes each batch, so an interrupt loses nothing
+    that was finished. The file is locked while the run lasts: a second process writing the same
+    file is refused rather than interleaving with the first. With resume, records already in the
+    file are kept and reported; they must have been made with the same eps values and run
+    settings. A file that is not a record file of ours is never modified."""
+
+    def __init__(self, path: Path | None, resume: bool, eps: Sequence[float],
+                 run: dict[str, Any]) -> None:
+        self.path = path
+        self.done: dict[int, SampleRecord] = {}
+        self.handle = None
+        if path is None:
+            return
+        if path.is_dir():
+            raise LofastError(f"{path} is a folder; --out names the record file to write")
+        if path.exists() and not resume:
+            raise LofastError(f"{path} exists; pass --resume to continue it or choose another --out")
+        if resume and path.exists():  # opening a FIFO would wait, reading /dev/zero never end
+            check_readable(path, "record file")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # "a+b" creates the file, never truncates it, and appends every write
+            handle = open(path, "a+b")  # noqa: SIM115 - kept open (and locked) across batches
+        except OSError as e:
+            raise LofastError(f"cannot write {path}: {e.strerror or e}") from None
+        if not _lock(handle):
+            handle.close()
+            raise LofastError(f"{path} is being written by another lofast process; wait for it "
+                              "to finish or choose another --out")
+        self.schema = SCHEMA
+        try:
+            if resume:
+                handle.seek(0)
+                self.done, valid, self.schema = parse_records(read_lines(handle, path), path,
+                                                              eps, run)
+                if valid < handle.seek(0, os.SEEK_END):
+                    handle.truncate(valid)  # drop the torn last line, nothing else
+            self.handle = handle
+            if handle.seek(0, os.SEEK_END) == 0:  # a new file: its header first
+                self.schema = SCHEMA
+                self._append(header_line(eps, run))
+        except BaseException:
+            handle.close()
+            self.handle = None
+            raise
+
+    def write(self, records: Iterable[SampleRecord]) -> None:
+        """Append records in the file's schema (a schema-1 file resumed stays schema 1)."""
+        if self.handle is not None:
+            self._append("".join(r.to_json(self.schema) + "\n" for r in records))
+
+    def _append(self, text: str) -> None:
+        try:
+            self.handle.write(text.encode("utf-8"))
+            self.handle.flush()
+            os.fsync(self.handle.fileno())
+        except OSError as e:
+            raise LofastError(f"cannot write {self.path}: {e.strerror or e}; the records written "
+                              "before are kept, rerun with --resume") from None
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()  # releases the lock
+            self.handle = None
+
+
+def record_from_json(values: Any) -> SampleRecord:
+    """A SampleRecord from one decoded JSON line; ValueError where a field is missing, unknown,
+    of the wrong type, or out of range (a radius that is not a finite number >= 0, an eps key
+    that is not a positive radius in its exact text form, verdicts missing)."""
+    if not isinstance(values, dict) or not (
+            set(RECORD_FIELDS) <= set(values) <= set(RECORD_FIELDS) | set(OPTIONAL_FIELDS)):
+        raise ValueError("not a record")
+    for name, types in {**RECORD_FIELDS, **OPTIONAL_FIELDS}.items():
+        if name not in values:
+            continue
+        # bool is an int to Python, never a number to us
+        if not isinstance(values[name], types) or isinstance(values[name], bool):
+            raise ValueError(f"field {name} has the wrong type")  # noqa: TRY004 - one error kind
+    keys = set(values["verdicts"])
+    if not keys or not all(_is_eps_key(k) for k in keys):
+        raise ValueError("verdicts must be keyed by eps")
+    for name in ("bounds", "verifiers", "reasons", "fallback_seconds", "falsified",
+                 "counterexamples", "fallback"):
+        if not set(values.get(name, {})) <= keys:
+            raise ValueError(f"{name} has keys that are not the record's eps")
+    if not all(isinstance(v, bool) for v in values["verdicts"].values()) or not all(
+            isinstance(v, bool) for v in values.get("falsified", {}).values()):
+        raise ValueError("verdicts must be true or false")
+    if not all(v is None or isinstance(v, str) for v in values["verifiers"].values()):
+        raise ValueError("verifiers must be names")
+    numbers = [values["margin"], values["radius"], values["seconds"],
+               *values["bounds"].values()]
+    if values.get("adversarial_radius") is not None:
+        numbers.append(values["adversarial_radius"])
+    if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                             and math.isfinite(v)) for v in numbers):
+        raise ValueError("numbers must be finite")
+    if min(values["index"], values["label"], values["radius"], values["seconds"]) < 0:
+        raise ValueError("index, label, radius and seconds must be >= 0")
+    return SampleRecord(**values)
+
+
+def _is_eps_key(key: str) -> bool:
+    """Whether key is eps_key(e) of a positive finite radius e."""
+    try:
+        value = float(key)
+    except ValueError:
+        return False
+    return math.isfinite(value) and value > 0 and eps_key(value) == key
+
+
+def _no_constants(name: str) -> float:
+    raise ValueError(f"{name} is not a number a record holds")
+
+
+def header_line(eps: Sequence[float] | Sequence[str], run: dict[str, Any]) -> str:
+    """A schema-2 file's first line: the schema, the eps keys in order and the run settings
+    that every record of the file was made with."""
+    keys = [k if isinstance(k, str) else eps_key(k) for k in eps]
+    return json.dumps({"schema": SCHEMA, "eps": keys, "run": run}, allow_nan=False) + "\n"
+
+
+def _header(line: bytes, path: Path) -> tuple[list[str], dict[str, Any]]:
+    """(eps keys, run settings) of a header line; LofastError for one that is not ours."""
+    try:
+        values = json.loads(line.decode("utf-8"), parse_constant=_no_constants)
+        ok = (isinstance(values, dict) and set(values) == {"schema", "eps", "run"}
+              and isinstance(values["eps"], list) and values["eps"]
+              and all(isinstance(k, str) and _is_eps_key(k) for k in values["eps"])
+              and isinstance(values["run"], dict))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        ok = False
+    if not ok:
+        raise LofastError(f"{path}:1: not a lofast record file header")
+    if values["schema"] != SCHEMA:
+        raise LofastError(f"{path}: record schema {values['schema']!r}; this lofast reads "
+                          f"schemas 1 and {SCHEMA} (a newer lofast wrote it?)")
+    return values["eps"], values["run"]
+
+
+def parse_records(lines: Iterable[bytes], path: Path, eps: Sequence[float] | None = None,
+                  run: dict[str, Any] | None = None,
+                  ) -> tuple[dict[int, SampleRecord], int, int]:
+    """Records of a JSONL file's lines (``files.read_lines``) by index, the length of its valid
+    part (all but a torn final line) and its schema: 2 (a header line with the eps and the run
+    settings, then records without them) or 1 (records carrying their run settings). A file
+    that is not ours, or whose records were made for other eps values or other run settings
+    than given (or, where none are given, than its header's or first record's), is refused with
+    LofastError naming the file and line."""
+    records: dict[int, SampleRecord] = {}
+    keys = None if eps is None else {eps_key(e) for e in eps}
+    valid, schema, header_run = 0, 1, None
+    torn = b""
+    for number, line in enumerate(lines, 1):
+        if torn:  # a line without its break was not the last one
+            raise LofastError(f"{path}:{number - 1}: not a lofast record")
+        if not line.endswith(b"\n"):
+            torn = line
+            continue
+        if number == 1 and line.startswith(HEADER_START):
+            header_keys, header_run = _header(line, path)
+            schema, valid = SCHEMA, len(line)
+            keys = set(header_keys) if keys is None else keys
+            run = header_run if run is None else run
+            _check_same(path, set(header_keys), keys, header_run, run)
+            continue
+        try:
+            values = json.loads(line.decode("utf-8"), parse_constant=_no_constants)
+            if schema >= 2:  # the header's settings; the certified radius recomputed, checked
+                if not isinstance(values, dict) or "run" in values:
+                    raise ValueError("not a schema-2 record")
+                stated = values.pop("certified_radius", None)
+                values["run"] = header_run
+            record = record_from_json(values)
+            if schema >= 2 and stated != record.certified_radius:
+                raise ValueError("certified radius does not match the verdicts")
+        except (UnicodeDecodeError, ValueError, RecursionError, TypeError):
+            raise LofastError(f"{path}:{number}: not a lofast record (a file lofast certify "
+                              "--out writes)") from None
+        keys = set(record.verdicts) if keys is None else keys
+        run = record.run if run is None else run
+        _check_same(path, set(record.verdicts), keys, record.run, run)
+        records[record.index] = record
+        valid += len(line)
+    if torn and not any(torn.startswith(s) or s.startswith(torn)
+                        for s in (RECORD_START, HEADER_START)):
+        raise LofastError(f"{path}: not a lofast record file (its last line is not a record); "
+                          "--resume continues only a file that lofast certify wrote")
+    return records, valid, schema
+
+
+def _check_same(path: Path, keys: set[str], expected: set[str], run: dict[str, Any],
+                expected_run: dict[str, Any]) -> None:
+    """Refuse records made for other eps values or run settings than those expected."""
+    if keys != expected:
+        raise LofastError(f"{path}: was written for eps {sorted(keys)}, not "
+                          f"{sorted(expected)}; resume with the same --eps values")
+    # a setting a record lacks is one it was made without (None), as the run may say
+    changed = [k for k in sorted(set(run) | set(expected_run)) if run.get(k) != expected_run.get(k)]
+    if changed:
+        detail = ", ".join(f"{k} {run.get(k)} (now {expected_run.get(k)})" for k in changed)
+        raise LofastError(f"{path}: was written with other settings: {detail}; resume with "
+                          "the same settings or choose another --out")
+
+
+def read_run(path: Path, allow_empty: bool = False) -> list[SampleRecord]:
+    """The records of one `lofast certify --out` file, in file order (a torn last line left by
+    an interrupt is skipped); LofastError for a missing or foreign file, one that is not a
+    regular file (a FIFO, a device), or one without records unless ``allow_empty`` (a shard
+    that had no samples)."""
+    path = Path(path)
+    check_readable(path, "record file")
+    try:
+        with open(path, "rb") as handle:
+            records, _, _ = parse_records(read_lines(handle, path), path)
+    except OSError as e:
+        raise LofastError(f"cannot read {path}: {e.strerror or e}") from None
+    if not records and not allow_empty:
+        raise LofastError(f"{path}: holds no records")
+    return list(records.values())
+
+
+def write_records(path: Path, records: Sequence[SampleRecord]) -> None:
+    """Write records of one run as one schema-2 JSONL file (its header from the first record),
+    atomically (a temporary file renamed into place)."""
+    if not records:
+        raise LofastError(f"no records to write to {path}")
+    lines = header_line(list(records[0].verdicts), records[0].run) + "".join(
+        record.to_json() + "\n" for record in records)
+    atomic_write(Path(path), lambda tmp: Path(tmp).write_text(lines, encoding="utf-8"))
+
+
+def merge_runs(runs: Sequence[Sequence[SampleRecord]]) -> list[SampleRecord]:
+    """The records of the parts of one run, by sample index, as one whole run (its records no
+    longer name a shard). Refused, naming what is wrong: parts made with other eps values or
+    settings, parts that disagree on a sample, and a set of shards that is not complete and
+    consistent (every part I of N present once with all its samples, of runs over the same
+    number of samples; a part with no samples may be absent or empty)."""
+    records = [record for part in runs for record in part]
+    if not records:
+        raise LofastError("the runs to merge hold no records")
+    first = records[0]
+    whole = _unsharded(first.run)
+    for record in records:
+        if set(record.verdicts) != set(first.verdicts) or _unsharded(record.run) != whole:
+            raise LofastError("the runs to merge were made with other eps values or "
+                              "settings; merge only the parts of one run")
+    shards = [record.run.get("shard") for record in records]
+    if any(shard is not None for shard in shards):
+        _check_complete(shards)
+    merged: dict[int, SampleRecord] = {}
+    for record in records:
+        if record.index in merged:
+            raise LofastError(f"sample {record.index} is in two of the parts"
+                              + ("" if merged[record.index].verdicts == record.verdicts
+                                 else ", with other verdicts"))
+        merged[record.index] = dataclasses.replace(record, run=whole)
+    return [merged[i] for i in sorted(merged)]
+
+
+def _unsharded(run: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in run.items() if key != "shard"}
+
+
+def _check_complete(shards: Sequence[dict[str, int] | None]) -> None:
+    """Refuse shards (``run["shard"]`` of every record) that are not all parts I of one N of a
+    run over one number of samples, each with all its samples (part I has the samples
+    I, I + N, ... below that number)."""
+    if any(shard is None for shard in shards):
+        raise LofastError("the runs to merge mix shards with a whole run")
+    counts = {(shard["parts"], shard["samples"]) for shard in shards}
+    if len(counts) > 1:
+        detail = ", ".join(f"of {n} parts over {total} samples" for n, total in sorted(counts))
+        raise LofastError(f"the shards to merge come from different runs ({detail})")
+    (parts, total), = counts
+    found = collections.Counter(shard["part"] for shard in shards)
+    wrong = [f"{i}/{parts} ({found[i]} of {len(range(i, total, parts))} samples)"
+             for i in range(parts) if found[i] != len(range(i, total, parts))]
+    if wrong:
+        raise LofastError(f"the shards do not make one run of {total} samples: "
+                          f"{', '.join(wrong)}; merge every part once")
