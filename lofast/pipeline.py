@@ -75,6 +75,9 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
     from lofast.runtime import default_batch_size, resolve_device
 
     progress = progress or RunProgress()
+    if config.settings is not None and not isinstance(config.settings, CertifySettings):
+        raise ConfigError(f"settings must be a CertifySettings, not "
+                          f"{type(config.settings).__name__}")
     shard, out, merged_out = config.shard, config.out, None
     ranks = torchrun_rank()
     if ranks is not None:

@@ -6,16 +6,13 @@ its norms (``StageRules``). The specs themselves: ``bounds.stages`` and, for att
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
 from lofast.bounds.compose import LipschitzStep, RadiusMap
 from lofast.errors import CertificationError
-
-if TYPE_CHECKING:
-    from lofast.bounds.attention_spec import AttentionSpec
 
 
 class StageRules(Protocol):
@@ -29,7 +26,7 @@ class StageRules(Protocol):
         """||weight|| of the patch embedding at stage ``index``: an upper bound for a
         certificate, an estimate with gradients for training."""
 
-    def attention(self, index: int, tokens: Tensor, spec: AttentionSpec) -> RadiusMap:
+    def attention(self, index: int, tokens: Tensor, spec: Stage) -> RadiusMap:
         """The radius map of the attention block at stage ``index`` at clean tokens (B, n, d)."""
 
 

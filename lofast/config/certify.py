@@ -114,7 +114,8 @@ class CertifyConfig:
     distinct positive radii; checkpoint: a path, a loaded LipschitzViT, or None (the shipped
     default); data: a path, a loaded ImageDataset, or None (the bundled sample); dataset: the
     kind of data at a path (None: the checkpoint's); limit: the first N samples of the
-    class-balanced order (None: all); settings: a ``CertifySettings`` (None: the defaults);
+    class-balanced order (None: all); settings: a ``certificate.CertifySettings`` (None: the
+    defaults; its type is checked by the driver, which owns the certifier);
     fallback: one of FALLBACKS or None; attack: an ``AttackSettings`` (True: the defaults) or
     None; out: the JSONL record file (resume continues it); shard: (I, N) or "I/N".
     """
@@ -175,9 +176,3 @@ class CertifyConfig:
         if self.resume and self.out is None:
             raise ConfigError("--resume needs --out, the file to continue")
         set_("shard", parse_shard(self.shard))
-        if self.settings is not None:
-            from lofast.certificate import CertifySettings  # torch: only where given
-
-            if not isinstance(self.settings, CertifySettings):
-                raise ConfigError(f"settings must be a CertifySettings, not "
-                                  f"{type(self.settings).__name__}")
