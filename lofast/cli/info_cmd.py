@@ -40,7 +40,8 @@ from lofast.config import DATASETS, SPLITS
               help="Measure a checkpoint whose metadata names no classes on the data as it is.")
 def info(checkpoint: Path, data_path, sample, dataset, split, limit, eps_values, batch_size,
          device, classes_unchecked) -> None:
-    """Show CHECKPOINT's model config, metadata and per-stage Lipschitz constants.
+    """Show CHECKPOINT's (a file, or a shipped model's name) config, metadata and per-stage
+    Lipschitz constants.
 
     With --data or --sample, also show what attention does on that data: per block and head,
     ||Wq_l Wk_l^T|| and how far P_l(X) strays from its mean, and the attention ablation, the
@@ -49,7 +50,7 @@ def info(checkpoint: Path, data_path, sample, dataset, split, limit, eps_values,
     """
     from lofast.bounds.attention_spec import AttentionSpec
     from lofast.bounds.spectral import matrix_norm_upper
-    from lofast.checkpoint import load_checkpoint, read_metadata
+    from lofast.checkpoint import checkpoint_path, load_checkpoint, read_metadata
     from lofast.errors import LofastError
 
     measuring = data_path is not None or sample
@@ -59,6 +60,7 @@ def info(checkpoint: Path, data_path, sample, dataset, split, limit, eps_values,
                    is click.core.ParameterSource.COMMANDLINE)
     if not measuring and (eps_values or limit or dataset or split_given or batch_size):
         raise LofastError("--eps, --n, --dataset, --split and --batch-size need --data or --sample")
+    checkpoint = checkpoint_path(str(checkpoint))  # a path, or a shipped model's name
     model = load_checkpoint(checkpoint)
     meta = read_metadata(checkpoint)
     config = meta.pop("model_config")
