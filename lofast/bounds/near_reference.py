@@ -127,14 +127,27 @@ def softmax_first_order_bound(X: Tensor, probs: Tensor, x_query: Tensor, key: Te
     return (first + second) / scale * inflate
 
 
-def cross_frobenius_upper(W: Tensor, N: Tensor) -> Tensor:
+def cross_frobenius_upper(W: Tensor, N: Tensor, route: str | None = None) -> Tensor:
     """Upper bound (..., m) on ||W^T N_i||_F for W (..., n, a) and N (..., m, n, b) float64,
-    the operands exact as stored: sqrt(<W W^T, N_i N_i^T>) from the two (n x n) Gram matrices
-    (n^2 (a + b) flops per i instead of n a b), plus the rounding bound of the module
-    docstring's 2. (gamma_{a+b+n^2} ||W||_F^2 ||N_i||_F^2 on the square)."""
+    the operands exact as stored, by the cheaper of two routes (``route`` forces one):
+
+    - "gram": sqrt(<W W^T, N_i N_i^T>) from the two (n x n) Gram matrices (about n^2 (b + 1)
+      flops per i, W W^T shared), plus the rounding bound of the module docstring's 2.
+      (gamma_{a+b+n^2} ||W||_F^2 ||N_i||_F^2 on the square): cheaper for few tokens;
+    - "direct": the (a x b) products W^T N_i themselves (n a b flops per i), each entry a sum of
+      n products within gamma_n sum_j |W_je| |N_ijv| of the exact one, so the computed matrix is
+      within gamma_n ||W||_F ||N_i||_F in Frobenius norm (Cauchy-Schwarz) and its norm, a sum of
+      a b squares, within gamma_{ab+1} relatively: cheaper for many tokens (64 and more).
+    """
     n, a, b = W.shape[-2], W.shape[-1], N.shape[-1]
     inflate = 1.0 + 2.0 ** -40
     frob = torch.linalg.vector_norm
+    if route is None:
+        route = "direct" if a * b < n * (b + 1) else "gram"
+    if route == "direct":
+        products = torch.einsum("...ja,...ijb->...iab", W, N)  # W^T N_i
+        slip = gamma(n) * frob(W, dim=(-2, -1))[..., None] * frob(N, dim=(-2, -1)) * inflate
+        return (frob(products, dim=(-2, -1)) * (1.0 + gamma(a * b + 1)) + slip) * inflate
     gram = (W @ W.mT).unsqueeze(-3)  # (..., 1, n, n)
     square = ((N @ N.mT) * gram).sum(dim=(-2, -1)).clamp_min(0.0)
     spread = (frob(W, dim=(-2, -1))[..., None] * frob(N, dim=(-2, -1)) * inflate).square()
