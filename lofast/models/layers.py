@@ -136,8 +136,10 @@ class HoldsCappedWeights:
         """The effective weights now: held, kept (above), or computed afresh."""
         if self.held is not None:
             return self.held
+        if self.training:
+            return self._capped()
         tensors = [*self.parameters(), *self.buffers()]
-        if self.training or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return self._capped()
         # every in-place change bumps a tensor's version; a new tensor has a new address
         key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
