@@ -10,10 +10,10 @@ import torch
 
 from lofast.bounds import (
     attention,
+    attention_norms,
     attention_spec,
     coordinate_jacobian,
     first_order,
-    near_reference,
     softmax_terms,
 )
 from lofast.bounds.attention import (
@@ -463,7 +463,7 @@ def test_verified_zeta_with_a_too_low_estimate(monkeypatch):
     X = make_tokens(3, 5, 16, 1.0, seed=36)
     zeta_ref, _ = reference_first_order(X, w)
     good = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
-    for module in (near_reference, first_order):  # both call it
+    for module in (attention_norms, first_order):  # both call it
         monkeypatch.setattr(module, "first_order_estimate",
                             lambda probs, f, start, steps: 0.5 * torch.ones(probs.shape[0]).to(probs))
     low = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
@@ -675,7 +675,7 @@ def test_verified_zeta_takes_the_better_bound_per_sample(monkeypatch, deflated):
 
     monkeypatch.setattr(first_order, "lanczos_ritz", counting_lanczos)
     if not deflated:
-        monkeypatch.setattr(near_reference, "deflated_first_order_bound", useless_deflation)
+        monkeypatch.setattr(attention_norms, "deflated_first_order_bound", useless_deflation)
     zeta = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
     assert (zeta >= exact).all() and (zeta <= exact * (1 + 2 * SLACK)).all()
     if deflated:
@@ -695,10 +695,10 @@ def test_probabilistic_zeta_takes_the_deterministic_bounds_first(monkeypatch, de
     w = with_score_gain(make_weights(3, 12, 4, True, seed=47), 0.05)
     X = torch.cat([make_tokens(3, 5, 12, 0.1, seed=48), make_tokens(3, 5, 12, 30.0, seed=49)])
     exact = torch.linalg.matrix_norm(materialised_operator(X, w), ord=2)
-    lanczos_samples = count_batch_sizes(monkeypatch, (attention, near_reference, first_order),
+    lanczos_samples = count_batch_sizes(monkeypatch, (attention_norms, first_order),
                                         "first_order_norm")
     if not deflated:
-        monkeypatch.setattr(near_reference, "deflated_first_order_bound", useless_deflation)
+        monkeypatch.setattr(attention_norms, "deflated_first_order_bound", useless_deflation)
     result = attention_sensitivity(X, w, score_bound="relaxed", method=LANCZOS,
                                    generator=torch.Generator().manual_seed(0))
     assert result.guarantee is Guarantee.PROBABILISTIC
@@ -838,7 +838,7 @@ def test_softmax_first_order_skipped_where_negligible(monkeypatch):
     X = make_tokens(2, 4, 8, 1.0, seed=46)
     reference = reference_softmax_first_order_norm(X, w)
     computed = attention_sensitivity(X, w, softmax_jacobian=True, method=DENSE)
-    monkeypatch.setattr(attention, "SOFTMAX_NEGLIGIBLE", 1e9)
+    monkeypatch.setattr(attention_norms, "SOFTMAX_NEGLIGIBLE", 1e9)
     skipped = attention_sensitivity(X, w, softmax_jacobian=True, method=DENSE)
     assert (skipped.softmax_first_order >= reference).all()
     assert (skipped.softmax_first_order > 1.5 * computed.softmax_first_order).all()

@@ -17,7 +17,7 @@ from test_bounds_attention import (
     with_score_gain,
 )
 
-from lofast.bounds import attention, attention_spec, first_order, near_reference
+from lofast.bounds import attention, attention_norms, attention_spec, first_order, softmax_terms
 from lofast.bounds.attention import (
     attention_forward,
     attention_probabilities,
@@ -231,7 +231,7 @@ def test_deflated_bounds_dominate_the_dense_norms(gain, biased, residual):
     data = jacobian_data(X, w)
     reference = w.reference_probabilities
     deviation = head_deviation_bound(
-        attention.reference_deviation_norms(data.probs, reference), w.weight_norms[1],
+        first_order.reference_deviation_norms(data.probs, reference), w.weight_norms[1],
         w.stacked_norms[2] * w.stacked_norms[3])
     reference_norm, _ = w.reference_first_order
     deflation = w.deflation(n)
@@ -271,8 +271,7 @@ def test_verified_sensitivity_near_the_reference(monkeypatch, biased):
 
     for module in (attention_spec, first_order):  # both call it
         monkeypatch.setattr(module, "first_order_negated_gram", refuse)
-    for module in (attention, near_reference):  # the direct path and the verified one
-        monkeypatch.setattr(module, "softmax_first_order_norm", refuse)
+    monkeypatch.setattr(attention_norms, "softmax_first_order_norm", refuse)
     sens = attention_sensitivity(X, w, score_bound="relaxed", softmax_jacobian=True,
                                  method=VERIFIED)
     assert (sens.zeta >= first).all() and (sens.softmax_first_order >= softmax).all()
@@ -289,14 +288,13 @@ def test_far_from_the_reference_the_gram_matrices_take_over(monkeypatch):
     X = patterned_tokens("random", 3, n, d, seed=18)
     first, whole, softmax = dense_norms(X, w)
     calls = []
-    real = near_reference.softmax_first_order_norm
+    real = softmax_terms.softmax_first_order_norm
 
     def counting(probs, *args, **kwargs):
         calls.append(probs.shape[0])
         return real(probs, *args, **kwargs)
 
-    for module in (attention, near_reference):
-        monkeypatch.setattr(module, "softmax_first_order_norm", counting)
+    monkeypatch.setattr(attention_norms, "softmax_first_order_norm", counting)
     sens = attention_sensitivity(X, w, score_bound="relaxed", softmax_jacobian=True,
                                  method=VERIFIED)
     assert calls == [3]

@@ -108,26 +108,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lofast.bounds.attention_norms import BlockAtX, attention_norms
 from lofast.bounds.attention_spec import AttentionSpec
-from lofast.bounds.coordinate_jacobian import coordinate_first_order_norm, coordinate_jacobian_norm
-from lofast.bounds.first_order import (
-    as_float64,
-    first_order_factors,
-    first_order_norm,
-    mix_heads,
-    near_reference_first_order_bound,
-    reference_deviation_norms,
-    verified_first_order_norm,
-)
-from lofast.bounds.near_reference import (
-    SOFTMAX_NEGLIGIBLE,
-    near_reference_bounds,
-)
-from lofast.bounds.softmax_terms import (
-    probabilities_from_projections,
-    score_norm,
-    softmax_first_order_norm,
-)
+from lofast.bounds.first_order import as_float64, mix_heads
+from lofast.bounds.softmax_terms import probabilities_from_projections, score_norm
 from lofast.bounds.spectral import ROUNDING_MARGIN, Guarantee, SpectralMethod, matrix_norm_upper
 from lofast.bounds.verified import gamma
 
@@ -338,52 +322,13 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
 
     # ||D_X|| <= sum_l ||J_l|| m_l ||X B_l|| / s with ||J_l|| <= 1/2
     softmax = (score * value_norm).sum(dim=1) / (2.0 * w.scale) if softmax_jacobian else None
-    jacobian = None
-    if first_order == "lofast":
-        reference = w.reference_probabilities
-        reference_norm, reference_direction = w.reference_first_order
-        reference = None if reference is None else reference.to(device)
-        deviation = reference_deviation_norms(probs, reference)  # >= ||P_l - R_l||
-        near = near_reference_first_order_bound(probs, reference, reference_norm.to(device),
-                                                value_weight_norm, deviation)
-        closed_form = w.coordinate_values
-        if closed_form is not None:  # zeta exactly, from h (n, n) norms
-            near = torch.minimum(near, coordinate_first_order_norm(probs, closed_form,
-                                                                   w.residual))
-        coordinates = w.coordinate_attention if softmax is not None else None
-        if method.kind in ("verified", "lanczos") and same_device:
-            # (for coordinate blocks zeta only: their Jacobian's norm follows below)
-            zeta, refined, jacobian = near_reference_bounds(
-                X, probs, x_query, x_key, x_value, x_value_out, score, w, method, near,
-                deviation, softmax if coordinates is None else None,
-                zeta_is_tight=closed_form is not None, generator=generator)
-            if coordinates is None:
-                softmax = refined
-        elif method.kind == "verified":
-            zeta = verified_first_order_norm(
-                probs, first_order_factors(value, output, w.residual), method, known=near,
-                along=None if reference_direction is None else reference_direction.to(device))
-        else:
-            zeta = torch.minimum(near, first_order_norm(X, probs, value, output, w.residual,
-                                                         method, generator))
-        if coordinates is not None:  # the Jacobian's norm directly, from a small operator
-            jacobian = torch.maximum(zeta, coordinate_jacobian_norm(
-                X, probs, coordinates, w.residual, w.scale, method, generator))
-        matrix_free += 1
-    else:
-        identity_norm = 1.0 if w.residual else 0.0
-        zeta = identity_norm + (value_weight_norm * matrix_norm_upper(probs)).sum(dim=1)
-
-    if softmax is not None:
-        # the operator norm is computed only where the cheap bound is not already negligible
-        # next to zeta, and not at all where the Jacobian's norm was bounded directly
-        rows = softmax > SOFTMAX_NEGLIGIBLE * zeta
-        if jacobian is None and rows.any():
-            exact = softmax_first_order_norm(probs[rows], x_query[rows], x_key[rows],
-                                              x_value_out[rows], query, key, score[rows],
-                                              w.scale, method, generator)
-            softmax[rows] = torch.minimum(softmax[rows], exact)
-        matrix_free += 1
+    block = BlockAtX(X=X, w=w, probs=probs, x_query=x_query, x_key=x_key, x_value=x_value,
+                     x_value_out=x_value_out, score=score, value_weight_norm=value_weight_norm,
+                     method=method, generator=generator, refine=softmax_jacobian,
+                     first_order=first_order)
+    norms = attention_norms(block, softmax)
+    zeta, softmax, jacobian = norms.zeta, norms.softmax, norms.jacobian
+    matrix_free += (first_order == "lofast") + softmax_jacobian
 
     guarantee = method.guarantee if matrix_free else Guarantee.EXACT
     failure = (matrix_free * method.failure_probability

@@ -49,18 +49,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lofast.bounds.attention_spec import AttentionSpec
-from lofast.bounds.deflation import LARGE_DEFLATION, Deflation, deflated_norm_bound
-from lofast.bounds.first_order import (
-    along_or_default,
-    as_float64,
-    first_order_estimate,
-    first_order_norm,
-    verified_first_order_norm,
-    within_slack,
-)
-from lofast.bounds.softmax_terms import softmax_first_order_norm
-from lofast.bounds.spectral import SpectralMethod, matrix_norm_upper
+from lofast.bounds.deflation import Deflation, deflated_norm_bound
+from lofast.bounds.spectral import matrix_norm_upper
 from lofast.bounds.verified import gamma
 
 # The second-order refinement computes ||D_X|| only where its cheap upper bound exceeds this
@@ -274,94 +264,3 @@ def deflated_first_order_bound(data: JacobianData, deflation: Deflation, referen
     return deflated_norm_bound(image.reshape(batch, count, -1), back.reshape(batch, count, -1),
                                deflation, whole, reference_norm + whole,
                                r_jacobian if with_softmax else r_first)
-
-
-def near_reference_bounds(X: Tensor, probs: Tensor, x_query: Tensor, x_key: Tensor,
-                          x_value: Tensor, x_value_out: Tensor, score: Tensor, w: AttentionSpec,
-                          method: SpectralMethod, near: Tensor, deviation: Tensor,
-                          softmax: Tensor | None, zeta_is_tight: bool = False,
-                          generator: torch.Generator | None = None) -> tuple[
-                              Tensor, Tensor | None, Tensor | None]:
-    """zeta, zeta_s and the Jacobian bound (B,) each (the last two None without the
-    refinement) for the verified method (deterministic upper bounds) and the Lanczos method
-    (upper bounds with its probability): both take the deterministic bounds near the reference
-    where they are tight, and only the samples those leave loose get the method's own norms
-    (the verified: the Kronecker Gram's Cholesky proof; Lanczos: its randomized bound, drawing
-    from ``generator``).
-
-    First the bounds near the reference (``bounds.near_reference``): zeta <= ||T_R|| plus the
-    head-structured deviation, and the cheap ||D_X|| bound. Samples where zeta is not within the
-    method's slack of the Rayleigh quotient at ``reference_first_order``'s direction, or where
-    the cheap ||D_X|| is not negligible (SOFTMAX_NEGLIGIBLE), get the deflated bound: on
-    ||T_X + D_X|| with the refinement (which also bounds zeta <= ||T_X + D_X|| + ||D_X||), on
-    ||T_X|| without. Where that bound is not within JACOBIAN_SLACK (with the refinement) or the
-    method's slack (without) of its Rayleigh-Ritz estimate, the deflation of size
-    LARGE_DEFLATION is tried; only where that one is not either, the method's zeta (verified:
-    the Kronecker Gram's Cholesky proof, ``verified_first_order_norm``; Lanczos: the smaller of
-    the bound at hand and its own) and, with the refinement, its ||D_X|| follow, as without the
-    near-reference bounds. near: the near-reference bound; deviation (B, h): upper bounds on
-    ||P_l - R_l||; softmax: the product bound on ||D_X|| or None; zeta_is_tight: near is within
-    rounding of zeta already (a closed form), so zeta needs neither deflation nor the Gram
-    matrix; the Jacobian's bound then tries the first deflation only, and the method's ||D_X||
-    where that is loose."""
-    n = X.shape[1]
-    f = w.first_order_factors
-    reference_norm, direction = w.reference_first_order
-    query_stacked, key_stacked, value_stacked, output_stacked = w.stacked_norms
-    deviation = head_deviation_bound(deviation, w.weight_norms[1],
-                                     value_stacked * output_stacked)
-    zeta = torch.minimum(near, reference_norm + deviation)
-    query, key = as_float64(w.query), as_float64(w.key)
-    if softmax is not None:
-        # the centred bound only where the product bound is not already negligible
-        rows = softmax > SOFTMAX_NEGLIGIBLE * zeta
-        if bool(rows.any()):
-            softmax[rows] = torch.minimum(softmax[rows], softmax_first_order_bound(
-                X[rows], probs[rows], x_query[rows], key, as_float64(w.value),
-                (query_stacked, key_stacked, output_stacked), w.scale))
-    along = along_or_default(f, probs, direction)
-    slack = 1.0 + method.relative_slack
-    settled = (torch.ones_like(zeta, dtype=torch.bool) if zeta_is_tight else
-               within_slack(zeta, first_order_estimate(probs, f, along, 1), f,
-                            method.relative_slack))
-    rows = ~settled
-    if softmax is not None:
-        rows = rows | (softmax > SOFTMAX_NEGLIGIBLE * zeta)
-    jacobian = None if softmax is None else zeta + softmax
-    if not bool(rows.any()):
-        return zeta, softmax, jacobian
-    projections, output = w.jacobian_weights
-    loose = rows.clone()
-    for large in (False, True):  # the larger deflation only for samples the first leaves loose
-        # (it exists to spare zeta the Gram matrix: not needed when zeta is in closed form)
-        if large and (not bool(loose.any()) or w.deflation(n).size >= LARGE_DEFLATION
-                      or zeta_is_tight):
-            break
-        data = JacobianData(probs=probs[loose], x_query=x_query[loose], x_key=x_key[loose],
-                            x_value=x_value[loose], projections=projections, output=output,
-                            residual=1.0 if w.residual else 0.0, scale=float(w.scale))
-        bound, ritz = deflated_first_order_bound(data, w.deflation(n, large), reference_norm,
-                                                 deviation[loose],
-                                                 None if softmax is None else softmax[loose])
-        if softmax is None:
-            zeta[loose] = torch.minimum(zeta[loose], bound)
-            loose[loose.clone()] = ~settled[loose] & ~(zeta[loose] <= ritz * slack)
-        else:
-            # ||T_X|| <= ||T_X + D_X|| + ||D_X||
-            zeta[loose] = torch.minimum(zeta[loose], bound + softmax[loose])
-            jacobian[loose] = torch.minimum(jacobian[loose], bound)
-            loose[loose.clone()] = ~(bound <= ritz * (1.0 + JACOBIAN_SLACK))
-    if bool(loose.any()):
-        if not zeta_is_tight and method.kind == "verified":
-            zeta[loose] = verified_first_order_norm(probs[loose], f, method,
-                                                    known=zeta[loose], along=along)
-        elif not zeta_is_tight:
-            zeta[loose] = torch.minimum(zeta[loose], first_order_norm(
-                X[loose], probs[loose], as_float64(w.value), as_float64(w.output), w.residual,
-                method, generator))
-        if softmax is not None:
-            softmax[loose] = torch.minimum(softmax[loose], softmax_first_order_norm(
-                probs[loose], x_query[loose], x_key[loose], x_value_out[loose], query, key,
-                score[loose], w.scale, method, generator))
-            jacobian[loose] = torch.minimum(jacobian[loose], zeta[loose] + softmax[loose])
-    return zeta, softmax, jacobian
