@@ -7,11 +7,9 @@ every bound are computed in float64 from the effective weights the model reports
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -25,7 +23,7 @@ from lofast.bounds.spectral import (
     matrix_norm_upper,
     weakest_guarantee,
 )
-from lofast.bounds.stages import EmbedSpec, HeadSpec, StageSpec, radius_maps
+from lofast.bounds.stages import EmbedSpec, HeadSpec, radius_maps
 from lofast.config import CERTIFY_DEFAULTS, GUARANTEES, KAPPAS, Bound
 from lofast.errors import CertificationError
 from lofast.models.vit import LipschitzViT
@@ -147,52 +145,6 @@ class VerifiedNorms:
             method=self.settings.method, generator=self.generator)
 
 
-# The stage specs of the last models certified in this process, with the weights-only
-# quantities they cache (verified norms, deflations: seconds of float64 factorisations per
-# model), keyed by a digest of the specs themselves: every field of every stage (type, float64
-# weights, device, constants). A second Certifier of the same model (repeated
-# ``lofast.certify`` calls, a notebook) reuses them; anything that changes what a stage
-# computes (a weight, a radius set on a module, the device) changes the digest.
-_STRUCTURES: OrderedDict[str, list[StageSpec]] = OrderedDict()
-STRUCTURES_KEPT = 4
-
-
-def structure_digest(structure: list[StageSpec]) -> str:
-    """SHA-256 of every dataclass field of every spec, in order (tensors by dtype, shape,
-    device and bytes; scalars and strings by repr). Cached properties are not fields. The
-    certifier takes activations from its own copy of the model and only bounds from the specs,
-    so equal digests mean equal bounds."""
-    digest = hashlib.sha256()
-    for spec in structure:
-        digest.update(type(spec).__name__.encode())
-        for field in fields(spec):
-            value = getattr(spec, field.name)
-            if isinstance(value, Tensor):
-                digest.update(f"{field.name} {value.dtype} {tuple(value.shape)} "
-                              f"{value.device}".encode())
-                digest.update(value.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
-                              .numpy().tobytes())
-            elif value is None or isinstance(value, (bool, int, float, str)):
-                digest.update(f"{field.name} {value!r}".encode())
-            else:  # a container's repr could elide tensor entries: keep the digest exact
-                raise TypeError(f"{type(spec).__name__}.{field.name}: cannot digest "
-                                f"{type(value).__name__}")
-    return digest.hexdigest()
-
-
-def shared_structure(model: LipschitzViT) -> list[StageSpec]:
-    """``model.structure()`` of a float64 model in eval mode whose weights stay fixed, shared
-    with earlier certifiers of identical specs in this process."""
-    structure = model.structure()
-    key = structure_digest(structure)
-    if key not in _STRUCTURES:
-        _STRUCTURES[key] = structure
-        while len(_STRUCTURES) > STRUCTURES_KEPT:
-            _STRUCTURES.popitem(last=False)
-    _STRUCTURES.move_to_end(key)
-    return _STRUCTURES[key]
-
-
 class Certifier:
     """Certifies batches of images for one model; per-model quantities are computed once.
 
@@ -207,8 +159,10 @@ class Certifier:
         self.model = copy.deepcopy(model).to(self.device, torch.float64).eval()
         with torch.no_grad():
             self.model.hold_effective_weights(True)  # the copy's weights never change
-        # specs on the certifier's device; an attention spec caches its weights-only norms
-        self.structure = shared_structure(self.model)
+        # specs on the certifier's device. They hold the per-model proofs (an attention spec's
+        # verified reference norm and deflations, computed on first use): these live and die
+        # with this certifier; certify many batches with one Certifier to pay them once.
+        self.structure = self.model.structure()
         if not isinstance(self.structure[0], EmbedSpec) or not isinstance(self.structure[-1], HeadSpec):
             raise CertificationError("model must start with a patch embedding and end with a head")
         for i, spec in enumerate(self.structure):

@@ -44,7 +44,7 @@ CASES = [
 TIGHT = {"MethodFirstOrder": "zeta", "MethodSoftmax": "softmax", "CoordinateFirstOrder": "zeta"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def traced(case: int):
     """The block of CASES[case] as ``attention_sensitivity`` builds it, every strategy's
     candidate in the driver's order, the driver's own final bounds and the dense references."""
