@@ -129,18 +129,16 @@ def main() -> None:
         line = f"| LoFAST{'' if name == 'none' else ' -> ' + name} |"
         seconds, domains = [], []
         for e in args.eps:
-            key = eps_key(e)
-            ran = [r for r in records if key in r.fallback]
-            won = sum(r.fallback[key]["verdict"] == "verified" for r in ran)
-            line += f" {sum(r.verdicts[key] for r in records)} | {len(ran)} ({won}) |"
-            seconds += [r.fallback[key]["seconds"] for r in ran]
-            domains += [r.fallback[key]["domains"] for r in ran
-                        if r.fallback[key]["domains"] is not None]
+            ran = [r.results[e].fallback for r in records if r.results[e].fallback is not None]
+            won = sum(entry["verdict"] == "verified" for entry in ran)
+            line += f" {sum(r.results[e].certified for r in records)} | {len(ran)} ({won}) |"
+            seconds += [entry["seconds"] for entry in ran]
+            domains += [entry["domains"] for entry in ran if entry["domains"] is not None]
         mean = f"{statistics.mean(seconds):.1f}" if seconds else "-"
         dom = f"{statistics.mean(domains):.0f}, {max(domains)}" if domains else "-"
         print(line + f" {mean} | {dom} | {'-' if wall is None else f'{wall:.0f}'} |")
-        summary[name] = {r.index: {k: r.fallback.get(k) for k in r.verdicts} for r in records
-                         if r.fallback}
+        summary[name] = {r.index: {eps_key(e): x.fallback for e, x in r.results.items()}
+                         for r in records if any(x.fallback for x in r.results.values())}
     print("\nper sample (eps: verdict, bound, domains, seconds):", file=sys.stderr)
     print(json.dumps(summary, indent=1), file=sys.stderr)
 

@@ -3,7 +3,7 @@
     import lofast
 
     run = lofast.certify(eps=[0.02, 0.05], n=20)  # the shipped default, bundled test images
-    print(run.summary.certified_accuracy)          # {'0.02': ..., '0.05': ...}
+    print(run.summary.certified_accuracy)          # {0.02: ..., 0.05: ...}
     print([r.radius for r in run.records][:5])     # certified l2 radius per sample
 
 ``certify`` runs what ``lofast certify`` runs: it builds the same ``config.CertifyConfig``,

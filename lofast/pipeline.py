@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from lofast.certificate import Certifier, CertifySettings
 from lofast.config import FALLBACKS, AttackSettings, CertifyConfig
 from lofast.errors import CertificationError, ConfigError, LofastError
-from lofast.records import SampleRecord, eps_key
+from lofast.records import EpsResult, SampleRecord, eps_key
 from lofast.report import Summary
 
 if TYPE_CHECKING:
@@ -177,7 +177,7 @@ def measure_attention(model: nn.Module, data: object, records: Sequence[SampleRe
 
     chosen = [r.index for r in records]
     lofast_verdicts = torch.tensor(
-        [[r.verifiers.get(eps_key(e)) == "lofast" for e in eps] for r in records],
+        [[r.results[e].verifier == "lofast" for e in eps] for r in records],
         dtype=torch.bool).reshape(len(records), len(eps))
     x, y = data.subset(chosen).to_tensors()
     return attention_report(model, x, y, eps=eps, settings=settings, certified=lofast_verdicts,
@@ -205,11 +205,11 @@ def run_fallback(model: nn.Module, images: Tensor, records: Sequence[SampleRecor
     for e in eps:
         key = eps_key(e)
         todo = [b for b, r in enumerate(records)
-                if not r.verdicts[key] and r.prediction == r.label and b not in failed]
+                if not r.results[e].certified and r.prediction == r.label and b not in failed]
         for b, r in enumerate(records):
-            if not r.verdicts[key]:
-                r.reasons[key] = ("misclassified" if r.prediction != r.label
-                                  else failed.get(b, "LoFAST bound too loose"))
+            if not r.results[e].certified:
+                r.update(e, reason="misclassified" if r.prediction != r.label
+                         else failed.get(b, "LoFAST bound too loose"))
         if todo and progress is not None:
             progress(f"{method} at eps={key}", 0, len(todo))
         for done, b in enumerate(todo):
@@ -221,19 +221,17 @@ def run_fallback(model: nn.Module, images: Tensor, records: Sequence[SampleRecor
             else:
                 result, = crown_verify(model, images[b:b + 1], label, e, method=method,
                                        timeout=timeout)
-            record.fallback_seconds[key] = result.seconds
             record.seconds += result.seconds
             verdict = result.verdict or ("verified" if result.certified else "unknown")
-            record.fallback[key] = {"method": method, "verdict": verdict,
-                                    "bound": result.margin_bound, "domains": result.domains,
-                                    "seconds": result.seconds}
+            found = {"method": method, "verdict": verdict, "bound": result.margin_bound,
+                     "domains": result.domains, "seconds": result.seconds}
             if result.certified:
-                record.verdicts[key] = True
-                record.verifiers[key] = method
-                record.reasons.pop(key, None)
+                record.update(e, certified=True, verifier=method, reason=None, fallback=found,
+                              fallback_seconds=result.seconds)
             else:
                 failed[b] = f"{method}: {result.reason or 'not certified'} at eps={key}"
-                record.reasons[key] = failed[b]
+                record.update(e, reason=failed[b], fallback=found,
+                              fallback_seconds=result.seconds)
             if progress is not None:
                 progress(f"{method} at eps={key}", done + 1, len(todo))
 
@@ -274,8 +272,8 @@ def run_attack(model: nn.Module, images: Tensor, records: Sequence[SampleRecord]
         return float(found[b][0].norm()) if b in found else math.inf
 
     for e in eps:
-        key = eps_key(e)
-        todo = [b for b, r in enumerate(records) if not r.verdicts[key] and not size(b) <= e]
+        todo = [b for b, r in enumerate(records)
+                if not r.results[e].certified and not size(b) <= e]
         if todo:
             labels = torch.tensor([records[b].label for b in todo])
             result = pgd_attack(model64, x[todo], labels, e, steps=settings.steps,
@@ -285,18 +283,15 @@ def run_attack(model: nn.Module, images: Tensor, records: Sequence[SampleRecord]
                     found[b] = (result.perturbation[i], int(result.adversarial_class[i]))
     for b, record in enumerate(records):
         record.adversarial_radius = size(b) if b in found else None
-        certified_to = max([float(k) for k, v in record.verdicts.items() if v]
-                           + [record.radius])  # every verifier's, LoFAST's radius included
+        certified_to = record.certified_radius  # every verifier's, LoFAST's included
         if certified_to > 0 and size(b) <= certified_to:
             raise CertificationError(
                 f"sample {record.index} is certified to radius {certified_to:.6g} and has a "
                 f"counterexample at distance {size(b):.6g}: the certificate is unsound")
         for e in eps:
-            key = eps_key(e)
-            record.falsified[key] = size(b) <= e
-            if record.falsified[key]:
-                record.counterexamples[key] = _describe(found[b], x[b], record, key,
-                                                        settings.save_dir)
+            falsified = size(b) <= e
+            record.update(e, falsified=falsified, counterexample=_describe(
+                found[b], x[b], record, eps_key(e), settings.save_dir) if falsified else None)
 
 
 def _describe(counterexample: tuple[Tensor, int], image: Tensor, record: SampleRecord, key: str,
@@ -389,17 +384,16 @@ def _batch_records(certifier: Certifier, images: Tensor, labels: Tensor, indices
     margin = cert.margin.cpu()
     predictions = cert.predictions.cpu()
     per_sample = cert.seconds / len(indices)
-    keys = [eps_key(e) for e in eps]
     finite = torch.isfinite(feature)  # a bound that overflowed certifies nothing
     records = [
         SampleRecord(
             index=int(i), label=int(labels[b]), prediction=int(predictions[b]),
             margin=float(margin[b]), radius=float(radius[b]),
-            verdicts={key: bool(verdicts[b, k]) for k, key in enumerate(keys)},
-            bounds={key: float(feature[b, k]) if finite[b, k] else None
-                    for k, key in enumerate(keys)},
-            verifiers={key: "lofast" if verdicts[b, k] else None for k, key in enumerate(keys)},
-            reasons={key: "bound overflow" for k, key in enumerate(keys) if not finite[b, k]},
+            results={float(e): EpsResult(
+                certified=bool(verdicts[b, k]),
+                verifier="lofast" if verdicts[b, k] else None,
+                bound=float(feature[b, k]) if finite[b, k] else None,
+                reason=None if finite[b, k] else "bound overflow") for k, e in enumerate(eps)},
             seconds=per_sample, run=run)
         for b, i in enumerate(indices)]
     return records, cert.failure_probability

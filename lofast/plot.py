@@ -50,22 +50,20 @@ def robustness_plot(runs: Mapping[str, Sequence[SampleRecord]], path: Path,
     except ImportError:
         raise LofastError(f"plotting needs matplotlib; install it with: {INSTALL_HINT}") from None
     largest = max(max(r.radius for r in records) for records in runs.values())
-    keys = sorted({k for records in runs.values() for k in records[0].verdicts}, key=float)
-    top = 1.1 * max(largest, max(float(k) for k in keys), 1e-3)
+    top = 1.1 * max(largest, max(e for records in runs.values() for e in records[0].eps), 1e-3)
     grid = np.linspace(0.0, top, 400)
     figure, axes = plt.subplots(figsize=(width / 100, height / 100), dpi=100)
     try:
         for name, records in runs.items():
             line, = axes.plot(grid, 100 * certified_curve(records, grid),
                               label=f"{name}: certified (LoFAST radius)")
-            points = sorted(records[0].verdicts, key=float)
-            at = [float(k) for k in points]
-            certified = [100 * np.mean([r.verdicts[k] for r in records]) for k in points]
+            at = sorted(records[0].eps)
+            certified = [100 * np.mean([r.results[e].certified for r in records]) for e in at]
             axes.plot(at, certified, "o", color=line.get_color(),
                       label=f"{name}: certified at the run's eps (all verifiers)")
-            if any(r.falsified for r in records):
-                upper = [100 * (1 - np.mean([bool(r.falsified.get(k)) for r in records]))
-                         for k in points]
+            if any(r.attacked for r in records):
+                upper = [100 * (1 - np.mean([bool(r.results[e].falsified) for r in records]))
+                         for e in at]
                 axes.plot(at, upper, "s--", color=line.get_color(),
                           label=f"{name}: not falsified (upper bound)")
         axes.set_xlabel("l2 radius eps (pixels in [0, 1])")

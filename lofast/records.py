@@ -15,7 +15,7 @@ import json
 import math
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,63 +31,106 @@ def eps_key(eps: float) -> str:
     return repr(float(eps))
 
 
+@dataclass(frozen=True)
+class EpsResult:
+    """One sample's certificate at one eps. Frozen: a fallback verifier's or an attack's
+    finding makes a new result (``SampleRecord.update``), never an edit of LoFAST's.
+
+    certified: by any verifier; verifier: which ("lofast", "crown", "alpha-crown",
+    "beta-crown"; None where not certified); bound: LoFAST's bound on the pooled features'
+    change (None where it overflowed); reason: why not certified, when known; fallback: where a
+    fallback verifier ran, {"method", "verdict" ("verified" / "unknown" / "falsified"), "bound"
+    (its lower bound on the smallest margin, or None), "domains" (subdomains bounded by branch
+    and bound, or None), "seconds"}, and fallback_seconds its time; falsified: with --attack,
+    whether a counterexample within eps was found (None: no attack ran; never where
+    certified); counterexample: the found one's {"norm", "class", "file"}."""
+
+    certified: bool
+    verifier: str | None = None
+    bound: float | None = None
+    reason: str | None = None
+    fallback: dict[str, Any] | None = None
+    fallback_seconds: float | None = None
+    falsified: bool | None = None
+    counterexample: dict[str, Any] | None = None
+
+    @property
+    def verdict(self) -> str:
+        """"certified", "falsified" or "unknown" (VNN-COMP's three verdicts)."""
+        if self.certified:
+            return "certified"
+        return "falsified" if self.falsified else "unknown"
+
+
 @dataclass
 class SampleRecord:
-    """One certified sample. verdicts/bounds/verifiers are keyed by eps_key(eps)."""
+    """One certified sample; results: its certificate at each eps (float), in the run's order.
+    Eps values become ``eps_key`` texts only in files (``to_json``, ``record_from_json``)."""
 
     index: int
     label: int
     prediction: int
     margin: float  # min_j z_y - z_j (negative when misclassified)
     radius: float  # largest radius LoFAST certifies (0 when misclassified)
-    verdicts: dict[str, bool]  # certified at eps, by any verifier
-    bounds: dict[str, float]  # LoFAST's feature-space radius at eps
-    verifiers: dict[str, str | None]  # which verifier certified ("lofast", "crown", ...)
-    reasons: dict[str, str] = field(default_factory=dict)  # why not certified, when known
+    results: dict[float, EpsResult]
     rule: str = "pairwise-head"  # z_y - z_j > ||w_y - w_j|| delta_h for all j
     seconds: float = 0.0  # time spent on this sample (its share of the batch, all stages)
-    fallback_seconds: dict[str, float] = field(default_factory=dict)
     # What the verdicts depend on (checkpoint and data digests, bound, guarantee, fallback):
     # a resumed run must match it, so that one file never mixes two runs' certificates.
     run: dict[str, Any] = field(default_factory=dict)
-    # With --attack: whether an adversarial example was found at eps (never where certified),
-    # and for each found one {"norm": its l2 norm, "class": the class predicted there, "file":
-    # where it was saved or None}. Empty where no attack ran.
-    falsified: dict[str, bool] = field(default_factory=dict)
-    counterexamples: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # Per eps where a fallback verifier ran: {"method", "verdict" ("verified" / "unknown" /
-    # "falsified"), "bound" (its lower bound on the smallest margin, or None), "domains"
-    # (subdomains bounded by branch and bound, or None), "seconds"}. Empty in older files.
-    fallback: dict[str, dict[str, Any]] = field(default_factory=dict)
     # With --attack: the smallest l2 distance at which an attack changed the prediction (0 when
     # misclassified; None where none was found, or no attack ran). radius / adversarial_radius
     # says how much of the robustness the attack cannot break the certificate shows.
     adversarial_radius: float | None = None
 
     @property
+    def eps(self) -> tuple[float, ...]:
+        return tuple(self.results)
+
+    def update(self, eps: float, **changes: Any) -> None:
+        """Replace the result at eps by one with ``changes`` (``EpsResult`` fields)."""
+        self.results[eps] = dataclasses.replace(self.results[eps], **changes)
+
+    @property
     def certified_radius(self) -> float:
         """The largest radius certified by any verifier: LoFAST's radius, or a larger eps a
         fallback verifier certified."""
-        return max([self.radius] + [float(k) for k, v in self.verdicts.items() if v])
+        return max([self.radius] + [e for e, result in self.results.items() if result.certified])
 
-    def verdict(self, key: str) -> str:
-        """"certified", "falsified" or "unknown" at eps key (VNN-COMP's three verdicts)."""
-        if self.verdicts[key]:
-            return "certified"
-        return "falsified" if self.falsified.get(key) else "unknown"
+    @property
+    def attacked(self) -> bool:
+        """Whether an attack ran on this sample (--attack)."""
+        return any(result.falsified is not None for result in self.results.values())
 
     def to_json(self, schema: int = SCHEMA) -> str:
-        """The record's line: in schema 2 without the run settings (the file's header holds
-        them) and with ``certified_radius``; in schema 1 (files written before the header)
-        with its run settings."""
-        values = asdict(self)
+        """The record's line: the per-eps results as dicts keyed by ``eps_key`` (only the
+        entries that exist: reasons where known, fallbacks where one ran, ...); in schema 2
+        without the run settings (the file's header holds them) and with
+        ``certified_radius``; in schema 1 (files written before the header) with its run
+        settings."""
+        items = [(eps_key(e), r) for e, r in self.results.items()]
+
+        def where(name: str, present=lambda v: v is not None) -> dict[str, Any]:
+            return {k: getattr(r, name) for k, r in items if present(getattr(r, name))}
+
+        values = {
+            "index": self.index, "label": self.label, "prediction": self.prediction,
+            "margin": self.margin, "radius": self.radius,
+            "verdicts": {k: r.certified for k, r in items},
+            "bounds": {k: r.bound for k, r in items},
+            "verifiers": {k: r.verifier for k, r in items},
+            "reasons": where("reason"), "rule": self.rule, "seconds": self.seconds,
+            "fallback_seconds": where("fallback_seconds"), "run": self.run,
+            "falsified": where("falsified"), "counterexamples": where("counterexample"),
+            "fallback": where("fallback"), "adversarial_radius": self.adversarial_radius,
+        }
         if schema >= 2:
             del values["run"]
             values["certified_radius"] = self.certified_radius
         return json.dumps(values, allow_nan=False)
 
 
-# Every record line starts so (dataclass field order), a header line with HEADER_START: a final
+# Every record line starts so (``to_json``'s field order), a header line with HEADER_START: a final
 # line without its newline that starts so is one torn by an interrupt; anything else is not a
 # record file of ours.
 RECORD_START = b'{"index": '
@@ -202,8 +245,7 @@ def record_from_json(values: Any) -> SampleRecord:
     keys = set(values["verdicts"])
     if not keys or not all(_is_eps_key(k) for k in keys):
         raise ValueError("verdicts must be keyed by eps")
-    for name in ("bounds", "verifiers", "reasons", "fallback_seconds", "falsified",
-                 "counterexamples", "fallback"):
+    for name in PER_EPS_FIELDS:
         if not set(values.get(name, {})) <= keys:
             raise ValueError(f"{name} has keys that are not the record's eps")
     if not all(isinstance(v, bool) for v in values["verdicts"].values()) or not all(
@@ -220,7 +262,21 @@ def record_from_json(values: Any) -> SampleRecord:
         raise ValueError("numbers must be finite")
     if min(values["index"], values["label"], values["radius"], values["seconds"]) < 0:
         raise ValueError("index, label, radius and seconds must be >= 0")
+    per_eps = {name: values.pop(name, {}) for name in PER_EPS_FIELDS}
+    values["results"] = {
+        float(k): EpsResult(certified=certified, verifier=per_eps["verifiers"].get(k),
+                            bound=per_eps["bounds"].get(k), reason=per_eps["reasons"].get(k),
+                            fallback=per_eps["fallback"].get(k),
+                            fallback_seconds=per_eps["fallback_seconds"].get(k),
+                            falsified=per_eps["falsified"].get(k),
+                            counterexample=per_eps["counterexamples"].get(k))
+        for k, certified in per_eps["verdicts"].items()}
     return SampleRecord(**values)
+
+
+# The file's per-eps dicts (keyed by eps_key), gathered into EpsResult when read.
+PER_EPS_FIELDS = ("verdicts", "bounds", "verifiers", "reasons", "fallback_seconds", "falsified",
+                  "counterexamples", "fallback")
 
 
 def _is_eps_key(key: str) -> bool:
@@ -300,9 +356,10 @@ def parse_records(lines: Iterable[bytes], path: Path, eps: Sequence[float] | Non
         except (UnicodeDecodeError, ValueError, RecursionError, TypeError):
             raise LofastError(f"{path}:{number}: not a lofast record (a file lofast certify "
                               "--out writes)") from None
-        keys = set(record.verdicts) if keys is None else keys
+        record_keys = {eps_key(e) for e in record.eps}
+        keys = record_keys if keys is None else keys
         run = record.run if run is None else run
-        _check_same(path, set(record.verdicts), keys, record.run, run)
+        _check_same(path, record_keys, keys, record.run, run)
         records[record.index] = record
         valid += len(line)
     if torn and not any(torn.startswith(s) or s.startswith(torn)
@@ -348,7 +405,7 @@ def write_records(path: Path, records: Sequence[SampleRecord]) -> None:
     atomically (a temporary file renamed into place)."""
     if not records:
         raise LofastError(f"no records to write to {path}")
-    lines = header_line(list(records[0].verdicts), records[0].run) + "".join(
+    lines = header_line(records[0].eps, records[0].run) + "".join(
         record.to_json() + "\n" for record in records)
     atomic_write(Path(path), lambda tmp: Path(tmp).write_text(lines, encoding="utf-8"))
 
@@ -365,7 +422,7 @@ def merge_runs(runs: Sequence[Sequence[SampleRecord]]) -> list[SampleRecord]:
     first = records[0]
     whole = _unsharded(first.run)
     for record in records:
-        if set(record.verdicts) != set(first.verdicts) or _unsharded(record.run) != whole:
+        if set(record.eps) != set(first.eps) or _unsharded(record.run) != whole:
             raise LofastError("the runs to merge were made with other eps values or "
                               "settings; merge only the parts of one run")
     shards = [record.run.get("shard") for record in records]
@@ -374,9 +431,10 @@ def merge_runs(runs: Sequence[Sequence[SampleRecord]]) -> list[SampleRecord]:
     merged: dict[int, SampleRecord] = {}
     for record in records:
         if record.index in merged:
+            same = all(merged[record.index].results[e].certified == r.certified
+                       for e, r in record.results.items())
             raise LofastError(f"sample {record.index} is in two of the parts"
-                              + ("" if merged[record.index].verdicts == record.verdicts
-                                 else ", with other verdicts"))
+                              + ("" if same else ", with other verdicts"))
         merged[record.index] = dataclasses.replace(record, run=whole)
     return [merged[i] for i in sorted(merged)]
 

@@ -3,6 +3,7 @@ and the attention report's tables. The records and their files: ``lofast.records
 
 from __future__ import annotations
 
+import collections
 import math
 import statistics
 from collections.abc import Sequence
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
 class Summary:
     samples: int
     clean_accuracy: float
-    certified_accuracy: dict[str, float]
-    certified_by: dict[str, dict[str, int]]  # eps -> verifier -> samples it certified
+    certified_accuracy: dict[float, float]  # eps -> share certified (JSON: keyed by eps_key)
+    certified_by: dict[float, dict[str, int]]  # eps -> verifier -> samples it certified
     median_radius: float
     mean_radius: float
     mean_ms_per_sample: float
@@ -34,47 +35,48 @@ class Summary:
     stage_seconds: dict[str, float] = field(default_factory=dict)  # stage -> seconds/sample
     # With --attack, per eps: share of samples with a counterexample, and share with neither a
     # certificate nor a counterexample. 1 - falsified bounds robust accuracy from above.
-    falsified: dict[str, float] = field(default_factory=dict)
-    unknown: dict[str, float] = field(default_factory=dict)
+    falsified: dict[float, float] = field(default_factory=dict)
+    unknown: dict[float, float] = field(default_factory=dict)
     # With --attack: per eps, the share with no counterexample (>= robust accuracy >= certified
     # accuracy); over the correctly classified samples with a counterexample, the median
     # adversarial radius and the median of certified radius / adversarial radius (1: the
     # certificate shows all the robustness no attack breaks).
-    not_falsified: dict[str, float] = field(default_factory=dict)
+    not_falsified: dict[float, float] = field(default_factory=dict)
     median_adversarial_radius: float | None = None
     median_radius_ratio: float | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The summary as JSON-ready values: eps keys as ``eps_key`` texts."""
+        values = asdict(self)
+        for name in ("certified_accuracy", "certified_by", "falsified", "unknown",
+                     "not_falsified"):
+            values[name] = {eps_key(e): v for e, v in values[name].items()}
+        return values
 
 
 def summarize(records: Sequence[SampleRecord], eps: Sequence[float], total_seconds: float,
               guarantee: str, bound: str, kappa: float, device: str) -> Summary:
     n = len(records)
-    certified = {}
-    certified_by: dict[str, dict[str, int]] = {}
-    for e in eps:
-        key = eps_key(e)
-        certified[key] = sum(r.verdicts[key] for r in records) / n if n else math.nan
-        counts: dict[str, int] = {}
-        for r in records:
-            if r.verifiers.get(key):
-                counts[r.verifiers[key]] = counts.get(r.verifiers[key], 0) + 1
-        certified_by[key] = counts
-    falsified: dict[str, float] = {}
-    unknown: dict[str, float] = {}
-    if n and any(r.falsified for r in records):
+    eps = [float(e) for e in eps]
+    certified = {e: sum(r.results[e].certified for r in records) / n if n else math.nan
+                 for e in eps}
+    certified_by = {e: dict(collections.Counter(r.results[e].verifier for r in records
+                                                if r.results[e].verifier))
+                    for e in eps}
+    falsified: dict[float, float] = {}
+    unknown: dict[float, float] = {}
+    if n and any(r.attacked for r in records):
         for e in eps:
-            key = eps_key(e)
-            verdicts = [r.verdict(key) for r in records]
-            falsified[key] = verdicts.count("falsified") / n
-            unknown[key] = verdicts.count("unknown") / n
+            verdicts = [r.results[e].verdict for r in records]
+            falsified[e] = verdicts.count("falsified") / n
+            unknown[e] = verdicts.count("unknown") / n
     attacked = [r for r in records
                 if r.prediction == r.label and r.adversarial_radius is not None]
     adversarial = [r.adversarial_radius for r in attacked]
     ratios = [r.certified_radius / r.adversarial_radius for r in attacked]
     radii = [r.radius for r in records]
-    fallback = sum(sum(r.fallback_seconds.values()) for r in records)
+    fallback = sum(result.fallback_seconds or 0.0 for r in records
+                   for result in r.results.values())
     lofast = sum(r.seconds for r in records) - fallback
     stage_seconds = {"lofast": lofast / n if n else math.nan}
     if fallback:
@@ -104,15 +106,15 @@ def summarize(records: Sequence[SampleRecord], eps: Sequence[float], total_secon
 def summary_rows(summary: Summary) -> dict[str, str]:
     """The summary as (quantity -> formatted value), in display order."""
     rows = {"samples": str(summary.samples), "clean accuracy": f"{summary.clean_accuracy:.2%}"}
-    for key, value in summary.certified_accuracy.items():
-        by = summary.certified_by.get(key, {})
+    for e, value in summary.certified_accuracy.items():
+        by = summary.certified_by.get(e, {})
         detail = ", ".join(f"{v}: {c}" for v, c in sorted(by.items()))
-        shown = f"{float(key):.6g}"  # the key is exact (JSON); six digits read better
+        shown = f"{e:.6g}"  # six digits read better than the exact value
         rows[f"certified accuracy @ eps={shown}"] = (f"{value:.2%}"
                                                      + (f"  ({detail})" if len(by) > 1 else ""))
-        if key in summary.falsified:
+        if e in summary.falsified:
             rows[f"  not falsified @ eps={shown}"] = (
-                f"{summary.not_falsified[key]:.2%}  (unknown {summary.unknown[key]:.2%})")
+                f"{summary.not_falsified[e]:.2%}  (unknown {summary.unknown[e]:.2%})")
     rows["median / mean certified radius"] = (f"{summary.median_radius:.4f} / "
                                               f"{summary.mean_radius:.4f}")
     if summary.median_adversarial_radius is not None:

@@ -156,12 +156,12 @@ def test_api_certificates_cannot_be_fooled_by_their_arguments():
             refused += 1
             continue
         for record in run.records:
-            for key, verdict in record.verdicts.items():
-                if verdict:
+            for e, result in record.results.items():
+                if result.certified:
                     certified += 1
                     assert record.prediction == record.label and record.margin > 0
-                    assert record.radius >= float(key) > 0
-                    attacked[record.index] = max(attacked.get(record.index, 0.0), float(key))
+                    assert record.radius >= e > 0
+                    attacked[record.index] = max(attacked.get(record.index, 0.0), e)
     assert refused >= 3 and certified >= 3, (refused, certified)
     index = sorted(attacked)
     images = torch.from_numpy(pixels[index]).permute(0, 3, 1, 2).double() / 255
@@ -241,4 +241,4 @@ def test_api_trains_and_certifies_with_everything_the_command_has(data_dir, tmp_
     again = lofast.certify(out, data_dir, eps=0.1, n=6, dataset="folder", device="cpu",
                            attack=True, out=records, resume=True)
     assert [r.index for r in again.records[:4]] == [r.index for r in first.records]
-    assert again.summary.samples == 6 and all(r.falsified for r in again.records)
+    assert again.summary.samples == 6 and all(r.attacked for r in again.records)

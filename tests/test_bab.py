@@ -434,20 +434,18 @@ def test_beta_crown_subdomain_bounds_hold_on_their_points(lirpa):
 
 
 def test_fallback_fields_read_back_and_old_records_still_read():
-    import dataclasses
     import json
 
-    from lofast.records import SampleRecord, record_from_json
+    from lofast.records import EpsResult, SampleRecord, record_from_json
 
     record = SampleRecord(index=3, label=1, prediction=1, margin=0.1, radius=0.0,
-                          verdicts={"0.05": False}, bounds={"0.05": 0.0},
-                          verifiers={"0.05": None},
-                          fallback={"0.05": {"method": "beta-crown", "verdict": "unknown",
-                                             "bound": -0.01, "domains": 17, "seconds": 2.5}})
+                          results={0.05: EpsResult(certified=False, bound=0.0, fallback={
+                              "method": "beta-crown", "verdict": "unknown", "bound": -0.01,
+                              "domains": 17, "seconds": 2.5})})
     assert record_from_json(json.loads(record.to_json(schema=1))) == record
-    old = dataclasses.asdict(record)
+    old = json.loads(record.to_json(schema=1))
     del old["fallback"], old["falsified"], old["counterexamples"]  # as files before them
-    assert record_from_json(old).fallback == {}
+    assert record_from_json(dict(old)).results[0.05].fallback is None
     with pytest.raises(ValueError):
         record_from_json({**old, "fallback": []})
 
@@ -457,24 +455,26 @@ def test_run_fallback_writes_beta_crown_results_to_the_records(tiny):
     """What `lofast certify --fallback beta-crown` runs after LoFAST, on records LoFAST left
     open: verdicts, verifier, reasons, the fallback entry, and progress per sample."""
     from lofast.pipeline import run_fallback
-    from lofast.records import SampleRecord, record_from_json
+    from lofast.records import EpsResult, SampleRecord, record_from_json
 
     model, x, y = tiny
     eps = [0.05, 0.1]
     records = [SampleRecord(index=i, label=int(y[i]), prediction=int(y[i]), margin=0.1,
-                            radius=0.0, verdicts={repr(e): False for e in eps},
-                            bounds={repr(e): 0.0 for e in eps},
-                            verifiers={repr(e): None for e in eps}) for i in range(len(x))]
+                            radius=0.0, results={e: EpsResult(certified=False, bound=0.0)
+                                                 for e in eps}) for i in range(len(x))]
     calls = []
     run_fallback(model, x, records, eps, "beta-crown", 10,
                  lambda phase, done, total: calls.append((phase, done, total)))
     assert calls[:5] == [("beta-crown at eps=0.05", done, 4) for done in range(5)]
     for r in records:
         assert record_from_json(json.loads(r.to_json(schema=1))) == r
-        for key, entry in r.fallback.items():
+        for result in r.results.values():
+            entry = result.fallback
+            if entry is None:
+                continue
             assert entry["method"] == "beta-crown" and entry["domains"] >= 1
-            assert r.verdicts[key] == (entry["verdict"] == "verified")
-            assert r.verifiers[key] == ("beta-crown" if r.verdicts[key] else None)
-            assert entry["seconds"] == r.fallback_seconds[key] <= 10 + 5
-            assert r.verdicts[key] or r.reasons[key].startswith("beta-crown: ")
-    assert any(r.verdicts["0.05"] for r in records)
+            assert result.certified == (entry["verdict"] == "verified")
+            assert result.verifier == ("beta-crown" if result.certified else None)
+            assert entry["seconds"] == result.fallback_seconds <= 10 + 5
+            assert result.certified or result.reason.startswith("beta-crown: ")
+    assert any(r.results[0.05].certified for r in records)

@@ -42,7 +42,8 @@ def assert_same_records(records, reference):
     assert sorted(r.index for r in records) == sorted(reference)
     for r in records:
         ref = reference[r.index]
-        assert r.verdicts == ref.verdicts and r.falsified == ref.falsified
+        assert {e: (x.certified, x.falsified) for e, x in r.results.items()} == {
+            e: (x.certified, x.falsified) for e, x in ref.results.items()}
         assert r.prediction == ref.prediction
         assert r.radius == pytest.approx(ref.radius, rel=1e-9, abs=1e-12)
 

@@ -127,7 +127,7 @@ def test_api_gives_the_cli_records(one_thread, tmp_path):
             mine.pop(key), theirs.pop(key)
         assert mine == theirs
     summary = json.loads(result.stdout)
-    assert run.summary.certified_accuracy == summary["certified_accuracy"]
+    assert run.summary.to_dict()["certified_accuracy"] == summary["certified_accuracy"]
     assert run.summary.guarantee == summary["guarantee"]
 
 
@@ -140,10 +140,10 @@ def test_records_survive_a_schema_1_to_2_round_trip(one_thread, tmp_path):
     run = lofast.certify("lofast-live", eps=[0.02, 0.05], n=100, device="cpu")
     for r in run.records[:10]:  # the fields of --attack and --fallback, as they are written
         r.adversarial_radius = 0.25
-        r.falsified = {"0.02": False, "0.05": False}
-        r.fallback = {"0.05": {"method": "crown", "verdict": "unknown", "bound": -0.1,
-                               "domains": None, "seconds": 1.5}}
-        r.fallback_seconds = {"0.05": 1.5}
+        r.update(0.02, falsified=False)
+        r.update(0.05, falsified=False, fallback_seconds=1.5, fallback={
+            "method": "crown", "verdict": "unknown", "bound": -0.1, "domains": None,
+            "seconds": 1.5})
     old = tmp_path / "schema1.jsonl"
     old.write_text("".join(r.to_json(schema=1) + "\n" for r in run.records))
     first = read_run(old)

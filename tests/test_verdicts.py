@@ -162,9 +162,9 @@ def test_tightness_of_the_certificates_is_reported(trained, tmp_path):
               if r.prediction == r.label]
     assert len(ratios) >= 8 and all(0 < q < 1 for q in ratios)
     assert summary.median_radius_ratio == pytest.approx(float(np.median(ratios)))
-    for key in ("0.05", "1.0"):
-        assert (summary.certified_accuracy[key] <= summary.not_falsified[key]
-                == pytest.approx(1 - summary.falsified[key]))
+    for e in (0.05, 1.0):
+        assert (summary.certified_accuracy[e] <= summary.not_falsified[e]
+                == pytest.approx(1 - summary.falsified[e]))
     shown = json.loads(CliRunner().invoke(cli, ["report", str(out), "--json"]).stdout)[str(out)]
     assert shown["median_radius_ratio"] == summary.median_radius_ratio
     assert shown["median_adversarial_radius"] == summary.median_adversarial_radius

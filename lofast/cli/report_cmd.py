@@ -34,7 +34,7 @@ def report(runs, plot_path, merge, as_json) -> None:
     summaries = {}
     for name, records in loaded.items():
         run = records[0].run
-        eps = sorted(float(k) for k in records[0].verdicts)
+        eps = sorted(records[0].eps)
         summaries[name] = summarize(records, eps, sum(r.seconds for r in records),
                                     run.get("guarantee", "-"), run.get("bound", "-"),
                                     run.get("kappa", float("nan")), "-")
