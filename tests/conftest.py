@@ -30,7 +30,16 @@ FILES_LONGEST_FIRST = (
     "test_bounds_near_reference.py", "test_verdicts.py", "test_attention_report.py",
     "test_hostile_inputs.py", "test_data.py", "test_bounds_coordinate_jacobian.py",
     "test_bounds_deflation.py", "test_api.py", "test_crown.py", "test_checkpoint.py",
-    "test_stage_protocol.py", "test_bounds_compose.py")
+    "test_stage_protocol.py", "test_attention_norms.py", "test_bounds_compose.py")
+
+# Two lanes (``pytest -m unit`` / ``-m integration``). The integration lane runs the product as
+# a user does: commands, the API's pipelines, torchrun, the shipped models, files from outside.
+# Every other file is the unit lane: the maths against dense float64 references and autograd,
+# and the soundness references (PGD on certified samples of small trained models).
+INTEGRATION_FILES = (
+    "test_api.py", "test_cli.py", "test_distributed.py", "test_shipped_models.py",
+    "test_hostile_inputs.py", "test_verdicts.py", "test_adversarial_checkpoints.py",
+    "test_attention_report.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -40,6 +49,8 @@ def pytest_collection_modifyitems(items):
                 else len(FILES_LONGEST_FIRST))
 
     items.sort(key=rank)  # stable: the order within each file and among the rest is kept
+    for item in items:
+        item.add_marker("integration" if item.path.name in INTEGRATION_FILES else "unit")
 
 
 @pytest.fixture(scope="session")
