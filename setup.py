@@ -1,8 +1,8 @@
 """Copies the shipped checkpoints (the repository's checkpoints/, their one source) into the
 built package, so that a wheel or a non-editable install finds the shipped models: exactly the
 models of checkpoints/registry.json, each checked against its registered SHA-256 (an untracked
-or replaced file in checkpoints/ is never shipped), with the registry, the regression
-reference and the model card."""
+or replaced file in checkpoints/ is never shipped), with the registry (figures and
+regression reference included) and the model card."""
 
 import hashlib
 import json
@@ -12,7 +12,7 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-DOCUMENTS = ("registry.json", "reference.json", "README.md")
+DOCUMENTS = ("registry.json", "README.md")
 
 
 def shipped_files(source: Path) -> list[Path]:

@@ -1,9 +1,13 @@
-"""Regenerates the tables of the model card (checkpoints/README.md): for every shipped checkpoint,
-its training record and its certified accuracy per eps, mean certified radius and time per sample
-on the current device. Writes markdown and JSON.
+"""Measures the figures of the model card: for every shipped checkpoint, its training record
+and its certified accuracy per eps, mean certified radius and time per sample on the current
+device. Writes markdown and JSON; with --update-registry (the full test set: --data, no --n)
+also the registry's figures of each shipped model (accuracy, mean radius, attention ablation
+drop; its time per sample is measured apart, on idle threads) and, from them, the tables of
+the README and the model card (``lofast.model_card``).
 
     python benchmarks/model_card.py [--data ../shared/data/cifar10-jpeg.tar.gz] [--n N]
         [--checkpoint CKPT ...] [--guarantee exact] [--device auto] [--work runs/model-card]
+        [--update-registry]
 
 Without --data the bundled 500-image sample is used. Certification goes through `lofast certify`
 with --out, so an interrupted run continues where it stopped when started again.
@@ -17,7 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lofast.checkpoint import list_models, read_metadata, shipped_path
+from lofast import model_card
+from lofast.checkpoint import REGISTRY, SHIPPED_DIR, list_models, read_metadata, shipped_path
 
 EPS = (0.02, 0.05, 0.1, 36 / 255)
 EPS_NAMES = ("0.02", "0.05", "0.1", "36/255")
@@ -35,6 +40,8 @@ def certify(checkpoint: Path, args: argparse.Namespace, work: Path) -> dict:
         command += ["--data", args.data]
     if args.n:
         command += ["--n", str(args.n)]
+    if args.update_registry:
+        command += ["--attention-report"]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise SystemExit(f"{checkpoint.name}: certification failed: {result.stderr.strip()[-500:]}")
@@ -71,7 +78,13 @@ def main() -> None:
     parser.add_argument("--guarantee", default="exact")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--work", default="runs/model-card", help="JSONL, markdown and JSON go here")
+    parser.add_argument("--update-registry", action="store_true",
+                        help="write the figures into checkpoints/registry.json and regenerate "
+                             "the README's and the model card's tables (full test set only)")
     args = parser.parse_args()
+    if args.update_registry and (not args.data or args.n or args.checkpoint):
+        parser.error("--update-registry takes the full test set of the shipped models: "
+                     "--data, without --n or --checkpoint")
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -91,6 +104,24 @@ def main() -> None:
     (work / "model_card.json").write_text(json.dumps({"data": data, "rows": rows}, indent=2))
     print(table)
     print(f"wrote {work / 'model_card.md'} and {work / 'model_card.json'}")
+    if args.update_registry:
+        update_registry(rows)
+
+
+def update_registry(rows: list[dict]) -> None:
+    """The measured figures into the registry, then the tables regenerated from it."""
+    path = SHIPPED_DIR / REGISTRY
+    registry = json.loads(path.read_text())
+    by_file = {entry["file"]: entry for entry in registry["models"].values()}
+    for row in rows:  # the time per sample is measured apart, on idle threads: kept
+        s = row["summary"]
+        by_file[row["checkpoint"]]["figures"].update(
+            clean=s["clean_accuracy"], certified=s["certified_accuracy"],
+            mean_radius=round(s["mean_radius"], 4),
+            ablation_drop=round(s["attention"]["attention_ablation_drop"], 2))
+    path.write_text(json.dumps(registry, indent=2) + "\n")
+    for relative in model_card.stale_files(write=True):
+        print(f"{relative}: rewritten from the registry")
 
 
 if __name__ == "__main__":

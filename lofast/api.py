@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lofast.certificate import CertifySettings
-from lofast.checkpoint import checkpoint_path, list_models, load_checkpoint
+from lofast.checkpoint import list_models, open_checkpoint
 from lofast.config import AttackSettings, CertifyConfig, ConfigError, TrainConfig, TrainRun
 from lofast.data import ImageDataset, load_dataset
 from lofast.data.sample import load_bundled_sample
@@ -34,7 +34,7 @@ __all__ = ["Certification", "certify", "list_models", "load_data", "load_model",
 def load_model(checkpoint: str | Path | None = None) -> LipschitzViT:
     """The model of a safetensors checkpoint: a path, the name of a shipped model
     (``list_models()``, e.g. "lofast-live"), or None for the shipped default; validated."""
-    return load_checkpoint(checkpoint_path(checkpoint))
+    return open_checkpoint(checkpoint).model
 
 
 def load_data(path: str | Path | None = None, split: str = "test",

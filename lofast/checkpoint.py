@@ -9,12 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, safe_open, save_file
+from safetensors.torch import load, safe_open, save_file
 
 from lofast import __version__
 from lofast.config import ModelConfig
@@ -34,8 +35,60 @@ def save_checkpoint(path: str | os.PathLike, model: LipschitzViT,
     atomic_write(Path(path), lambda tmp: save_file(tensors, tmp, metadata=meta))
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint read once: the model (eval mode), its metadata (JSON values decoded,
+    'model_config' as a dict) and the SHA-256 of the file's bytes (hex), all from the same
+    bytes."""
+
+    model: LipschitzViT
+    metadata: dict[str, Any]
+    sha256: str
+
+
+def read_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
+                    shipped: tuple[str, str] | None = None) -> Checkpoint:
+    """The checkpoint at ``path``, its file read once; with ``shipped`` = (name, registered
+    SHA-256) of a shipped model, a file whose bytes differ is refused. CheckpointError for a
+    missing, corrupt or mismatched file (weights that do not fit the stored config)."""
+    path = Path(path)
+    check_readable(path, "checkpoint", CheckpointError)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if shipped is not None and digest != shipped[1]:
+        raise CheckpointError(f"{path} is not the shipped {shipped[0]} (its SHA-256 differs "
+                              "from the registry's)")
+    metadata = _decoded(path, _header_metadata(path, data))
+    try:
+        tensors = load(data)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: corrupt checkpoint ({e})") from None
+    return Checkpoint(_model(path, metadata, tensors).to(device).eval(), metadata, digest)
+
+
+def _header_metadata(path: Path, data: bytes) -> dict[str, str]:
+    """The string metadata of a safetensors file's bytes: an 8-byte little-endian header
+    length, then that many bytes of JSON whose "__metadata__" holds it."""
+    size = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    header = None
+    if 0 < size <= len(data) - 8:
+        try:
+            header = json.loads(data[8:8 + size].decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            header = None
+    raw = (header.get("__metadata__") or {}) if isinstance(header, dict) else None
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                            for k, v in raw.items()):
+        raise CheckpointError(f"{path}: not a readable safetensors checkpoint (no valid header)")
+    return raw
+
+
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """The checkpoint's metadata with JSON values decoded; 'model_config' as a dict."""
+    """The checkpoint's metadata with JSON values decoded; 'model_config' as a dict. Reads the
+    header alone (``read_checkpoint`` reads the whole file once for model and metadata)."""
     path = Path(path)
     check_readable(path, "checkpoint", CheckpointError)
     try:
@@ -43,6 +96,11 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
             raw = f.metadata() or {}
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable safetensors checkpoint ({e})") from None
+    return _decoded(path, raw)
+
+
+def _decoded(path: Path, raw: dict[str, str]) -> dict[str, Any]:
+    """Metadata strings -> values (JSON where they parse); refused without lofast's format."""
     if raw.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a lofast checkpoint (no '{FORMAT}' metadata)")
     out: dict[str, Any] = {}
@@ -55,20 +113,20 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu") -> LipschitzViT:
-    """A ready model in eval mode that maps images in [0,1] to logits.
+    """A ready model in eval mode that maps images in [0,1] to logits (``read_checkpoint``'s).
 
     Raises CheckpointError for a missing, corrupt or mismatched file (weights that do not fit
     the stored config).
     """
-    meta = read_metadata(path)
+    return read_checkpoint(path, device).model
+
+
+def _model(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> LipschitzViT:
+    """The model of a checkpoint's config and weights, each weight checked against it."""
     try:
         config = ModelConfig.from_dict(meta["model_config"])
     except (KeyError, TypeError, LofastError) as e:
         raise CheckpointError(f"{path}: invalid model config in metadata ({e})") from None
-    try:
-        tensors = load_file(str(path), device="cpu")
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: corrupt checkpoint ({e})") from None
     model = LipschitzViT(config)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
@@ -90,7 +148,7 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
         if not torch.isfinite(value).all():
             raise CheckpointError(f"{path}: weight {key} contains NaN or infinity")
     model.load_state_dict(tensors)
-    return model.to(device).eval()
+    return model
 
 
 def check_data_fits(model: LipschitzViT, metadata: dict[str, Any], data: Any,
@@ -125,10 +183,12 @@ def _shipped_dir() -> Path:
 
 
 SHIPPED_DIR = _shipped_dir()
-REGISTRY = "registry.json"  # the shipped models: name -> file, SHA-256, summary; the default
+# the shipped models: name -> file, SHA-256, summary, figures (full test set) and regression
+# reference (``reference_subset``); the default
+REGISTRY = "registry.json"
 
 
-def _registry() -> dict[str, Any]:
+def read_registry() -> dict[str, Any]:
     """The registry of shipped models (``checkpoints/registry.json``)."""
     path = SHIPPED_DIR / REGISTRY
     try:
@@ -139,14 +199,14 @@ def _registry() -> dict[str, Any]:
 
 def list_models() -> list[str]:
     """The names of the shipped models, the default first."""
-    registry = _registry()
+    registry = read_registry()
     return sorted(registry["models"], key=lambda name: (name != registry["default"], name))
 
 
 def shipped_path(name: str) -> Path:
     """The file of the shipped model ``name``, checked against its registered SHA-256 (a
     replaced or damaged file is refused, not certified)."""
-    models = _registry()["models"]
+    models = read_registry()["models"]
     if name not in models:
         raise CheckpointError(f"no shipped model {name!r}; the shipped models are "
                               f"{', '.join(list_models())}")
@@ -162,10 +222,28 @@ def checkpoint_path(name_or_path: str | os.PathLike | None) -> Path:
     """A checkpoint by path, or by the name of a shipped model; the default when None."""
     if name_or_path is None:
         return default_checkpoint_path()
-    if isinstance(name_or_path, str) and name_or_path in _registry()["models"] \
+    if isinstance(name_or_path, str) and name_or_path in read_registry()["models"] \
             and not Path(name_or_path).exists():
         return shipped_path(name_or_path)
     return Path(name_or_path)
+
+
+def open_checkpoint(name_or_path: str | os.PathLike | None,
+                    device: str | torch.device = "cpu") -> Checkpoint:
+    """``read_checkpoint`` of a path, or of a shipped model by name (its registered SHA-256
+    checked on the same bytes); the shipped default when None."""
+    registry = read_registry()
+    name = registry["default"] if name_or_path is None else name_or_path
+    if isinstance(name, str) and name in registry["models"] and not Path(name).exists():
+        entry = registry["models"][name]
+        try:
+            return read_checkpoint(SHIPPED_DIR / entry["file"], device, (name, entry["sha256"]))
+        except CheckpointError as e:
+            if name_or_path is None:
+                raise CheckpointError(f"no --checkpoint given and no usable shipped default: "
+                                      f"{e}") from None
+            raise
+    return read_checkpoint(Path(name_or_path), device)
 
 
 def file_digest(path: str | os.PathLike) -> str:
@@ -180,7 +258,7 @@ def file_digest(path: str | os.PathLike) -> str:
 def default_checkpoint_path() -> Path:
     """The shipped default checkpoint (the registry's default)."""
     try:
-        return shipped_path(_registry()["default"])
+        return shipped_path(read_registry()["default"])
     except CheckpointError as e:
         raise CheckpointError(f"no --checkpoint given and no usable shipped default: {e}") \
             from None

@@ -155,7 +155,7 @@ def load_source(checkpoint: object) -> tuple[nn.Module, dict, str]:
     """(model, its checkpoint metadata, the digest records name it by) for a checkpoint path,
     the name of a shipped model, a loaded LipschitzViT ("in memory", no metadata) or None (the
     shipped default)."""
-    from lofast.checkpoint import checkpoint_path, file_digest, load_checkpoint, read_metadata
+    from lofast.checkpoint import open_checkpoint
     from lofast.models.vit import LipschitzViT
 
     if isinstance(checkpoint, LipschitzViT):
@@ -163,8 +163,8 @@ def load_source(checkpoint: object) -> tuple[nn.Module, dict, str]:
     if checkpoint is not None and not isinstance(checkpoint, Path):
         raise ConfigError(f"checkpoint must be a path or a LipschitzViT, not "
                           f"{type(checkpoint).__name__}")
-    path = checkpoint_path(None if checkpoint is None else str(checkpoint))
-    return load_checkpoint(path), read_metadata(path), file_digest(path)[:16]
+    loaded = open_checkpoint(None if checkpoint is None else str(checkpoint))
+    return loaded.model, loaded.metadata, loaded.sha256[:16]
 
 
 def measure_attention(model: nn.Module, data: object, records: Sequence[SampleRecord],

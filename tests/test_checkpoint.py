@@ -91,3 +91,43 @@ def test_nan_weights_rejected(saved, tmp_path):
     save_file(tensors, str(bad), metadata=raw)
     with pytest.raises(CheckpointError, match="NaN"):
         load_checkpoint(bad)
+
+
+def test_a_checkpoint_is_read_once_for_model_metadata_and_digest(saved, monkeypatch):
+    """``read_checkpoint``: the model, the metadata and the SHA-256 all come from one read of
+    the file, and equal what the separate readers give."""
+    from pathlib import Path
+
+    from lofast import checkpoint
+
+    model, path = saved
+    reads = []
+    real = Path.read_bytes
+
+    def counting(self):
+        reads.append(self)
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", counting)
+    monkeypatch.setattr(checkpoint, "safe_open", None)  # no second reader of the header
+    loaded = checkpoint.read_checkpoint(path)
+    assert reads == [path]
+    monkeypatch.undo()
+    assert loaded.sha256 == checkpoint.file_digest(path)
+    assert loaded.metadata == read_metadata(path)
+    for a, b in zip(model.state_dict().values(), loaded.model.state_dict().values()):
+        assert torch.equal(a, b)
+    with pytest.raises(CheckpointError, match="is not the shipped m"):
+        checkpoint.read_checkpoint(path, shipped=("m", "0" * 64))
+
+
+@pytest.mark.parametrize("header", [b"\xff" * 8, (10).to_bytes(8, "little") + b"[1, 2]    ",
+                                    (30).to_bytes(8, "little")
+                                    + b'{"__metadata__": {"format": 1}}'[:30]])
+def test_a_bad_safetensors_header_is_one_clear_error(tmp_path, header):
+    from lofast.checkpoint import read_checkpoint
+
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(header + b"\0" * 16)
+    with pytest.raises(CheckpointError, match="bad.safetensors"):
+        read_checkpoint(path)

@@ -5,13 +5,14 @@ default on one thread); a Certifier owns its proofs, so every other test here th
 shipped model pays them again, and those use the smallest model unless the default is what
 they test.
 
-Regression guard: for each checkpoint in checkpoints/reference.json, clean accuracy must match
+Regression guard: for each model in checkpoints/registry.json, clean accuracy must match
 exactly on its fixed subset, no certified accuracy may drop, and where an
 ``attention_ablation_drop`` is recorded (a checkpoint whose attention does work), replacing
 every block's attention by its mean over the subset must still cost at least that many points
 of clean accuracy, so that an accidental attention collapse fails CI. An
-intentional change (a new checkpoint, a tighter bound) updates checkpoints/reference.json in
-the same commit, with the reason in the message.
+intentional change (a new checkpoint, a tighter bound) updates the registry's ``reference`` in
+the same commit, with the reason in the message. The README's and the model card's tables are
+the registry's ``figures`` (``lofast.model_card``).
 """
 
 import json
@@ -26,14 +27,15 @@ from click.testing import CliRunner
 import lofast
 from lofast.attention_report import attention_report
 from lofast.certificate import Certifier, CertifySettings
-from lofast.checkpoint import SHIPPED_DIR, load_checkpoint, shipped_path
+from lofast.checkpoint import SHIPPED_DIR, load_checkpoint, read_registry, shipped_path
 from lofast.cli.main import cli
 from lofast.data.sample import class_balanced_order, load_bundled_sample
 from lofast.records import read_run
 
-REFERENCE = json.loads((SHIPPED_DIR / "reference.json").read_text())
+REGISTRY = read_registry()
+REFERENCE = REGISTRY["reference_subset"]
 # the test matrix: every registered model (checkpoints/registry.json)
-CHECKPOINTS = [shipped_path(name).name for name in lofast.list_models()]
+CHECKPOINTS = lofast.list_models()
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -57,11 +59,12 @@ def case(request, subset):
     """(checkpoint name, its reference figures, the model, its certificate on the subset)."""
     name = request.param
     torch.manual_seed(0)
-    model = load_checkpoint(SHIPPED_DIR / name)
+    model = load_checkpoint(shipped_path(name))
     settings = CertifySettings(bound=REFERENCE["bound"], kappa=REFERENCE["kappa"],
                                guarantee=REFERENCE["guarantee"])
     x, y = subset
-    return name, REFERENCE["checkpoints"][name], model, Certifier(model, settings).certify(x, y)
+    return name, REGISTRY["models"][name]["reference"], model, Certifier(model,
+                                                                         settings).certify(x, y)
 
 
 def test_clean_accuracy_matches_reference(case):
@@ -93,13 +96,28 @@ def test_attention_still_does_its_work(case, subset):
 
 def test_every_shipped_checkpoint_loads_and_is_on_the_model_card():
     card = (SHIPPED_DIR / "README.md").read_text()
-    shipped = [SHIPPED_DIR / name for name in CHECKPOINTS]
-    assert shipped and set(CHECKPOINTS) == set(REFERENCE["checkpoints"])  # a reference each
+    assert CHECKPOINTS
     x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    for path in shipped:
-        assert f"`{path.name}`" in card, f"{path.name} is not described in checkpoints/README.md"
+    for name in CHECKPOINTS:
+        entry = REGISTRY["models"][name]
+        assert {"figures", "reference"} <= set(entry), f"{name}: figures and reference each"
+        assert f"`{entry['file']}`" in card, f"{name} is not described in checkpoints/README.md"
         with torch.no_grad():
-            assert torch.isfinite(load_checkpoint(path)(x)).all(), path.name
+            assert torch.isfinite(load_checkpoint(shipped_path(name))(x)).all(), name
+
+
+def test_the_tables_of_readme_and_model_card_are_the_registry_figures(tmp_path):
+    """The README's and the model card's tables are generated (``python -m lofast.model_card``);
+    one edited by hand, or a registry changed without them, fails."""
+    from lofast import model_card
+
+    assert model_card.stale_files() == []
+    for relative in model_card.TABLES:  # a hand edit of a figure is caught
+        copy = tmp_path / relative
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        text = (model_card.REPOSITORY / relative).read_text()
+        copy.write_text(text.replace("42.30 %", "42.31 %", 1))
+    assert model_card.stale_files(tmp_path) == list(model_card.TABLES)
 
 
 def test_readme_example_runs_as_written(one_thread, capsys):
