@@ -1,7 +1,17 @@
-"""Where and how much a driver runs: the device a name means, and the batch size a device
-takes by default (``pipeline.run_certify``, ``train_pipeline.run_train`` and the benchmarks)."""
+"""Where and how much a driver runs: the device a name means, the batch size a device takes by
+default (``pipeline.run_certify``, ``train_pipeline.run_train`` and the benchmarks), and the
+wall-clock and memory limits of bound computations that may run long or grow large (the CROWN
+fallback and branch and bound). The limits turn what would otherwise end or hang the process
+(the kernel's OOM killer, a bound that takes an hour) into exceptions that callers report as
+per-sample results."""
 
 from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -29,3 +39,109 @@ def default_batch_size(device: torch.device) -> int:
     default's whole test set took 7.5 s end to end against 10.0 s at 256 (H200,
     docs/studies/certifier-speed.md)."""
     return 1024 if device.type == "cuda" else 16
+
+
+class TimeLimit(BaseException):
+    """Raised by the alarm inside auto_LiRPA. A BaseException, so that the library's
+    `except Exception` clauses cannot swallow it."""
+
+
+@contextlib.contextmanager
+def alarm(seconds: float | None) -> Iterator[None]:
+    """Interrupt the body with TimeLimit after `seconds` of wall-clock time.
+
+    Uses SIGALRM, so it only works in the main thread on Unix and only when no other interval
+    timer is running (pytest-timeout, say); otherwise the body runs to completion and the caller
+    compares the elapsed time with the limit afterwards.
+    """
+    usable = (
+        seconds is not None
+        and hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+        and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    )
+    if not usable:
+        yield
+        return
+    armed = [True]
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        if armed[0]:  # the body may have finished just before the timer fired
+            raise TimeLimit
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    # the interrupt can land between a library's torch.set_grad_enabled(False) and its restore:
+    # put the grad mode back, or it would leak into everything that runs afterwards
+    grad_mode = torch.is_grad_enabled()
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0.0)
+        signal.signal(signal.SIGALRM, previous)
+        torch.set_grad_enabled(grad_mode)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether an exception reports exhausted memory (CPU or GPU)."""
+    full = str(error)
+    # The allocator's words can sit deep in the message (TorchScript wraps errors, for one).
+    return isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)) or any(
+        text in full for text in ("out of memory", "can't allocate memory"))
+
+
+def _proc_kib(path: str, field: str) -> int | None:
+    """Bytes given by a 'Field:  N kB' line of a Linux /proc file, or None."""
+    try:
+        with open(path) as lines:
+            for line in lines:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the kernel can still hand out (Linux MemAvailable), or None."""
+    return _proc_kib("/proc/meminfo", "MemAvailable")
+
+
+def address_space() -> int | None:
+    """Bytes of virtual address space this process uses now (Linux VmSize), or None."""
+    return _proc_kib("/proc/self/status", "VmSize")
+
+
+@contextlib.contextmanager
+def memory_guard(device: torch.device) -> Iterator[None]:
+    """Turn running out of CPU memory into an exception instead of a killed process.
+
+    CROWN's memory grows with the model and the batch (alpha-CROWN on paper-d3 takes ~8 GB per
+    sample in float32 and ~15 GB in float64), and on Linux the kernel's OOM killer would end
+    the whole process before any exception is raised. So the address-space limit is lowered
+    to what the process uses now plus 90% of the memory still available; an allocation past
+    it fails with an exception that `crown_verify` reports as "out of memory". Applies to the
+    whole process while it is active. Does nothing on GPUs (CUDA raises its own error and
+    maps far more address space than it uses) or where the limit or /proc are unavailable.
+    """
+    try:
+        import resource
+    except ImportError:  # not Unix
+        resource = None  # type: ignore[assignment]
+    available, used = available_memory(), address_space()
+    if device.type != "cpu" or resource is None or available is None or used is None:
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = used + int(0.9 * available)
+    if soft != resource.RLIM_INFINITY:
+        limit = min(limit, soft)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lofast import crown
+from lofast import runtime as limits
 from lofast.attack import pgd_l2
 from lofast.config import preset
 from lofast.crown import (
@@ -19,7 +20,6 @@ from lofast.crown import (
     crown_available,
     crown_verify,
     export_plain,
-    limits,
     margin_spec,
 )
 from lofast.errors import LofastError

@@ -27,8 +27,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from lofast.crown.limits import TimeLimit, alarm, is_out_of_memory, memory_guard
 from lofast.errors import LofastError
+from lofast.runtime import TimeLimit, alarm, is_out_of_memory, memory_guard
 
 Neuron = tuple[int, int]  # (ReLU layer, index into that layer's flattened pre-activations)
 Splits = Mapping[Neuron, bool]  # neuron -> True: active (z >= 0), False: inactive (z <= 0)
@@ -227,7 +227,7 @@ def branch_and_bound(bounder: Bounder, settings: BabSettings = BabSettings(),
     calls, and each call is interrupted by SIGALRM where available), when more than
     max_domains domains are open, when an open domain has no unstable neuron left to split, or
     when the process runs out of memory (on Linux CPUs a temporary address-space limit,
-    `lofast.crown.limits.memory_guard`, makes that an exception rather than a killed process).
+    `lofast.runtime.memory_guard`, makes that an exception rather than a killed process).
     """
     start = time.perf_counter()
     deadline = None if settings.timeout is None else start + settings.timeout

@@ -7,7 +7,8 @@ is only a fallback. The modules:
 - `export`: `export_plain` bakes the model's effective weights into a plain network of
   operators that auto_LiRPA bounds (it cannot see through the parametrisation).
 - `lirpa`: auto_LiRPA imported lazily (an optional dependency) and run quietly.
-- `limits`: wall-clock and memory limits that turn overruns into per-sample results.
+- (`lofast.runtime` holds the wall-clock and memory limits that turn overruns into per-sample
+  results, for these and for `lofast.bab`.)
 - `verify`: `crown_verify` bounds the margins z_y - z_j of the exported network with CROWN or
   alpha-CROWN (`MarginBounder`).
 - `beta`: the auto_LiRPA bounder for branch and bound (`lofast.bab`): alpha-CROWN with beta

@@ -10,10 +10,10 @@ import torch
 from torch import Tensor
 
 from lofast.crown.export import export_plain
-from lofast.crown.limits import TimeLimit, alarm, is_out_of_memory, memory_guard
 from lofast.crown.lirpa import auto_lirpa, custom_ops, lirpa_context
 from lofast.errors import LofastError
 from lofast.models.vit import LipschitzViT
+from lofast.runtime import TimeLimit, alarm, is_out_of_memory, memory_guard
 
 METHODS = ("crown", "alpha-crown")
 
