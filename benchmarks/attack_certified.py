@@ -18,8 +18,8 @@ import sys
 
 from live_attention import with_live_attention  # beside this script
 
-from lofast.attack import pgd_l2
-from lofast.certificate import Certifier, CertifySettings
+from lofast.certification.attack import pgd_l2
+from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.checkpoint import default_checkpoint_path, load_checkpoint
 from lofast.data import load_dataset
 from lofast.data.sample import class_balanced_order, load_bundled_sample

@@ -33,7 +33,7 @@ from live_attention import with_live_attention  # beside this script
 from lofast.bounds.attention import attention_sensitivity
 from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.spectral import SpectralMethod
-from lofast.certificate import BOUND_TERMS, Certifier, CertifySettings
+from lofast.certification.certificate import BOUND_TERMS, Certifier, CertifySettings
 from lofast.checkpoint import default_checkpoint_path, load_checkpoint
 from lofast.data.sample import class_balanced_order, load_bundled_sample
 from lofast.runtime import resolve_device

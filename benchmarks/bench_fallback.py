@@ -10,11 +10,11 @@ How it is measured:
 
 - LoFAST: `lofast certify --fallback none --out OUT/lofast.jsonl` on the first --n images of
   the class-balanced order of the test split (the CLI's defaults otherwise).
-- Each fallback: `lofast.pipeline.run_fallback` (what `lofast certify --fallback M` runs after
-  LoFAST) on a copy of those records with the same images, eps values and --timeout, one
-  sample at a time: a sample LoFAST leaves open at an eps goes to the fallback, and one the
-  fallback fails at a smaller eps is not tried at larger ones. "beta-crown" branches with
-  BaBSR scores (the CLI's default), "beta-crown-widest" with the widest unstable interval.
+- Each fallback: `lofast.certification.pipeline.run_fallback` (what `lofast certify --fallback
+  M` runs after LoFAST) on a copy of those records with the same images, eps values and
+  --timeout, one sample at a time: a sample LoFAST leaves open at an eps goes to the fallback,
+  and one the fallback fails at a smaller eps is not tried at larger ones. "beta-crown" branches
+  with BaBSR scores (the CLI's default), "beta-crown-widest" with the widest unstable interval.
 - Seconds per fallback sample: the fallback's own time per sample it ran on (auto_LiRPA graph
   construction included; the export of the model, under a second, is not).
 
@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 
 from lofast.bab import BabSettings
+from lofast.certification.pipeline import run_fallback
+from lofast.certification.records import eps_key, read_run, write_records
 from lofast.checkpoint import load_checkpoint
 from lofast.data import load_dataset
-from lofast.pipeline import run_fallback
-from lofast.records import eps_key, read_run, write_records
 
 CONFIGS = {"none": None, "crown": ("crown", None), "alpha-crown": ("alpha-crown", None),
            "beta-crown": ("beta-crown", BabSettings(heuristic="babsr")),

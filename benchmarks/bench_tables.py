@@ -56,13 +56,13 @@ from pathlib import Path
 
 import torch
 
-from lofast.certificate import Certifier, CertifySettings
+from lofast.certification.certificate import Certifier, CertifySettings
+from lofast.certification.records import eps_key
 from lofast.checkpoint import default_checkpoint_path, file_digest, load_checkpoint
 from lofast.config import GUARANTEES
 from lofast.crown import INSTALL_HINT, METHODS, crown_available, crown_verify
 from lofast.data import load_dataset
 from lofast.data.sample import class_balanced_order, load_bundled_sample
-from lofast.records import eps_key
 from lofast.runtime import default_batch_size, resolve_device
 
 # CIFAR-10, ViT depth 3 width 128, 1,000 test samples; certified accuracy in %.

@@ -9,9 +9,10 @@ Times full optimisation steps (forward, loss, backward, AdamW) on random CIFAR-s
 warm-up steps, and extrapolates to one epoch of 50,000 images. Prints a table and writes JSON;
 --profile also runs five certified steps under torch.profiler and writes the operators that
 took the most time (device time on a GPU) to the named file; --compile adds rows for the plain
-and the certified step under torch.compile in that mode (``lofast.objective.CompiledObjective``,
-as `lofast train --compile`; compilation in the warm-up steps, untimed; cudagraphs: CUDA
-graphs of the captured step without Inductor's generated kernels) and their ratio.
+and the certified step under torch.compile in that mode
+(``lofast.training.objective.CompiledObjective``, as `lofast train --compile`; compilation in
+the warm-up steps, untimed; cudagraphs: CUDA graphs of the captured step without Inductor's
+generated kernels) and their ratio.
 Each eager row also counts the operators that launch work in one forward and backward pass
 (views and other metadata-only operators left out; the optimizer's few fused kernels too): on
 a GPU a step of these small tensors waits for the host to launch them, so the count predicts
@@ -34,10 +35,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lofast.checkpoint import load_checkpoint
 from lofast.config import TrainConfig, preset
 from lofast.models.vit import LipschitzViT, create_model
-from lofast.objective import CompiledObjective, TrainingObjective
 from lofast.runtime import resolve_device
-from lofast.train_loop import training_step
-from lofast.training_bound import TrainingBound
+from lofast.training.bound import TrainingBound
+from lofast.training.loop import training_step
+from lofast.training.objective import CompiledObjective, TrainingObjective
 
 EPOCH_IMAGES = 50_000
 

@@ -21,7 +21,7 @@ import math
 import torch
 
 from lofast.bounds.spectral import SpectralMethod
-from lofast.certificate import Certifier, CertifySettings
+from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.checkpoint import default_checkpoint_path, load_checkpoint
 from lofast.data.sample import class_balanced_order, load_bundled_sample
 

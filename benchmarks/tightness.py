@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import lofast
-from lofast.attention_report import ablate_attention, mean_attention
+from lofast.certification.attention_report import ablate_attention, mean_attention
 from lofast.checkpoint import list_models, shipped_path
 from lofast.config import AttackSettings
 from lofast.data.sample import class_balanced_order

@@ -22,7 +22,7 @@ import torch
 from lofast.bounds.estimate import attention_sensitivity_estimate
 from lofast.checkpoint import default_checkpoint_path, load_checkpoint
 from lofast.data import load_dataset
-from lofast.training_bound import TrainingBound
+from lofast.training.bound import TrainingBound
 
 
 class RecordingBound(TrainingBound):

@@ -10,15 +10,16 @@ torch:
 
 load_model, list_models, load_data, certify, train and Certification come from ``lofast.api``;
 Certifier and CertifySettings (one batch at a time, per-sample certificates as tensors) from
-``lofast.certificate``.
+``lofast.certification.certificate``.
 """
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
     "load_model": "lofast.api", "load_data": "lofast.api", "certify": "lofast.api",
-    "Certification": "lofast.api", "Certifier": "lofast.certificate",
-    "CertifySettings": "lofast.certificate", "list_models": "lofast.api", "train": "lofast.api",
+    "Certification": "lofast.api", "Certifier": "lofast.certification.certificate",
+    "CertifySettings": "lofast.certification.certificate", "list_models": "lofast.api",
+    "train": "lofast.api",
 }
 __all__ = ["Certification", "Certifier", "CertifySettings", "certify", "list_models",
            "load_data", "load_model", "train"]

@@ -18,15 +18,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from lofast.certificate import CertifySettings
+from lofast.certification.certificate import CertifySettings
+from lofast.certification.pipeline import Certification, RunProgress, run_certify
 from lofast.checkpoint import list_models, open_checkpoint
 from lofast.config import AttackSettings, CertifyConfig, ConfigError, TrainConfig, TrainRun
 from lofast.data import ImageDataset, load_dataset
 from lofast.data.sample import load_bundled_sample
 from lofast.models.vit import LipschitzViT
-from lofast.pipeline import Certification, RunProgress, run_certify
-from lofast.train_loop import EpochStats
-from lofast.train_pipeline import TrainProgress, run_train
+from lofast.training.loop import EpochStats
+from lofast.training.pipeline import TrainProgress, run_train
 
 __all__ = ["Certification", "certify", "list_models", "load_data", "load_model", "train"]
 
@@ -88,7 +88,7 @@ def train(data: str | Path, out: str | Path, *, dataset: str = "cifar10",
           compile: bool = False, download: bool = False,
           progress: TrainProgress | None = None, **settings) -> list[EpochStats]:
     """Train a Lipschitz ViT on ``data`` (a path) and write the checkpoint ``out``, as ``lofast
-    train`` does: the same driver (``train_pipeline.run_train``), checks and defaults.
+    train`` does: the same driver (``training.pipeline.run_train``), checks and defaults.
 
     settings: fields of ``config.TrainConfig`` (epochs, batch_size, lr, loss, train_eps,
     ablation_margin, ...); preset (default "paper-d3") and model_options (ModelConfig fields),

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from helpers import train_tiny
 from safetensors.torch import load_file, save_file
 
-from lofast.attack import pgd_l2
-from lofast.certificate import Certifier, CertifySettings
+from lofast.certification.attack import pgd_l2
+from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.checkpoint import FORMAT, load_checkpoint, save_checkpoint
 from lofast.cli.main import cli
 from lofast.errors import CertificationError, CheckpointError

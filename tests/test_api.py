@@ -10,7 +10,7 @@ import pytest
 
 import lofast
 from lofast.bounds.spectral import Guarantee, SpectralMethod
-from lofast.certificate import Certifier, CertifySettings
+from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.cli.certify_cmd import certify as certify_command
 from lofast.config import CERTIFY_DEFAULTS, GUARANTEES
 from lofast.errors import CertificationError
@@ -81,7 +81,7 @@ BAD_ARGUMENTS = [
 
 @pytest.mark.parametrize("arguments", BAD_ARGUMENTS, ids=repr)
 def test_api_refuses_bad_arguments_before_any_work(arguments, monkeypatch):
-    from lofast import pipeline
+    from lofast.certification import pipeline
     from lofast.errors import ConfigError
 
     def never(*args, **kwargs):
@@ -132,7 +132,7 @@ def test_api_certificates_cannot_be_fooled_by_their_arguments():
     import torch
     from helpers import train_tiny
 
-    from lofast.attack import pgd_l2
+    from lofast.certification.attack import pgd_l2
     from lofast.data import ImageDataset
     from lofast.errors import ConfigError
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from lofast.attention_report import ablate_attention, attention_report, mean_attention
 from lofast.bounds.attention import attention_probabilities
 from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.spectral import SpectralMethod
-from lofast.certificate import Certifier, CertifySettings
+from lofast.certification.attention_report import ablate_attention, attention_report, mean_attention
+from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.checkpoint import save_checkpoint
 from lofast.cli.main import cli
 from lofast.config import preset

@@ -377,7 +377,7 @@ def tiny(lirpa):
 
 @pytest.mark.crown
 def test_beta_crown_is_sound_and_at_least_alpha_crown(tiny):
-    from lofast.attack import pgd_l2
+    from lofast.certification.attack import pgd_l2
     from lofast.crown import crown_verify
     from lofast.crown.beta import beta_crown_verify
 
@@ -436,7 +436,7 @@ def test_beta_crown_subdomain_bounds_hold_on_their_points(lirpa):
 def test_fallback_fields_read_back_and_old_records_still_read():
     import json
 
-    from lofast.records import EpsResult, SampleRecord, record_from_json
+    from lofast.certification.records import EpsResult, SampleRecord, record_from_json
 
     record = SampleRecord(index=3, label=1, prediction=1, margin=0.1, radius=0.0,
                           results={0.05: EpsResult(certified=False, bound=0.0, fallback={
@@ -454,8 +454,8 @@ def test_fallback_fields_read_back_and_old_records_still_read():
 def test_run_fallback_writes_beta_crown_results_to_the_records(tiny):
     """What `lofast certify --fallback beta-crown` runs after LoFAST, on records LoFAST left
     open: verdicts, verifier, reasons, the fallback entry, and progress per sample."""
-    from lofast.pipeline import run_fallback
-    from lofast.records import EpsResult, SampleRecord, record_from_json
+    from lofast.certification.pipeline import run_fallback
+    from lofast.certification.records import EpsResult, SampleRecord, record_from_json
 
     model, x, y = tiny
     eps = [0.05, 0.1]

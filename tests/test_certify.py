@@ -6,11 +6,11 @@ import pytest
 import torch
 from helpers import train_tiny
 
-from lofast.attack import pgd_l2
 from lofast.bounds.compose import propagate
 from lofast.bounds.spectral import Guarantee, SpectralMethod
 from lofast.bounds.stages import radius_maps
-from lofast.certificate import Certifier, CertifySettings
+from lofast.certification.attack import pgd_l2
+from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.checkpoint import default_checkpoint_path, load_checkpoint
 from lofast.data.sample import load_bundled_sample
 from lofast.errors import CertificationError

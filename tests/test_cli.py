@@ -78,7 +78,7 @@ def sigterm() -> None:
 ])
 def test_resume_after_interrupt_matches_uninterrupted_run(data_dir, tmp_path, monkeypatch, loss,
                                                           interrupt, exit_code):
-    import lofast.train_loop as train_module
+    import lofast.training.loop as train_module
 
     args = ["train", "--dataset", "folder", "--data", str(data_dir), "--preset", "tiny",
             "--batch-size", "16", "--device", "cpu", "--epochs", "2", "--no-augment", *loss]
@@ -111,8 +111,8 @@ def test_resume_after_interrupt_matches_uninterrupted_run(data_dir, tmp_path, mo
 def test_diverging_run_stops_before_saving_its_weights(data_dir, tmp_path, monkeypatch):
     import torch
 
-    import lofast.objective as objective_module
-    import lofast.train_loop as train_module
+    import lofast.training.loop as train_module
+    import lofast.training.objective as objective_module
 
     original = objective_module.training_loss
     calls = {"n": 0}
@@ -462,7 +462,7 @@ def test_compiled_training_step_trains_the_same_model(data_dir):
     from lofast.config import TrainConfig, preset
     from lofast.data import load_dataset
     from lofast.models.vit import create_model
-    from lofast.train_loop import train
+    from lofast.training.loop import train
 
     counters.clear()
     train_set, test_set = (load_dataset(data_dir, split, "folder") for split in ("train", "test"))
@@ -498,7 +498,7 @@ def test_a_failing_compiled_step_is_one_clear_error(data_dir, monkeypatch):
     from lofast.data import load_dataset
     from lofast.errors import LofastError
     from lofast.models.vit import create_model
-    from lofast.train_loop import train
+    from lofast.training.loop import train
 
     def compile_that_fails_in_capture(module, **options):
         def run(*args):

@@ -12,7 +12,7 @@ import torch
 
 from lofast import crown
 from lofast import runtime as limits
-from lofast.attack import pgd_l2
+from lofast.certification.attack import pgd_l2
 from lofast.config import preset
 from lofast.crown import (
     FallbackResult,

@@ -11,8 +11,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from lofast.certification.records import read_run
 from lofast.cli.main import cli
-from lofast.records import read_run
 
 COMPARED = ("samples", "clean_accuracy", "certified_accuracy", "median_radius", "falsified")
 

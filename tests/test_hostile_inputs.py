@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 from helpers import record_lines
 
+from lofast.certification.records import RecordWriter
 from lofast.cli.main import cli
-from lofast.records import RecordWriter
 
 pytestmark = pytest.mark.usefixtures("shared_cache")
 
@@ -171,7 +171,7 @@ def test_bad_input_is_one_clear_error_and_changes_nothing(case, checkpoint, data
 
 def test_second_writer_of_one_record_file_is_refused(checkpoint, data_dir, tmp_path):
     out = tmp_path / "r.jsonl"
-    from lofast.records import eps_key
+    from lofast.certification.records import eps_key
 
     holder = RecordWriter(out, False, [0.1], {"run": eps_key(0.1)})  # another run, still going
     try:
@@ -184,7 +184,7 @@ def test_second_writer_of_one_record_file_is_refused(checkpoint, data_dir, tmp_p
 
 
 def test_full_disk_keeps_finished_records(checkpoint, data_dir, tmp_path, monkeypatch):
-    import lofast.records
+    import lofast.certification.records
 
     out = tmp_path / "r.jsonl"
     calls = {"n": 0}
@@ -196,11 +196,11 @@ def test_full_disk_keeps_finished_records(checkpoint, data_dir, tmp_path, monkey
             raise OSError(errno.ENOSPC, "No space left on device")
         real_fsync(fd)
 
-    monkeypatch.setattr(lofast.records.os, "fsync", fsync_then_fill)
+    monkeypatch.setattr(lofast.certification.records.os, "fsync", fsync_then_fill)
     result = invoke(*certify_args(checkpoint, data_dir, "--out", out, "--batch-size", "2",
                                   "--n", "6"))
     assert_one_clear_error(result, "No space left")
-    monkeypatch.setattr(lofast.records.os, "fsync", real_fsync)
+    monkeypatch.setattr(lofast.certification.records.os, "fsync", real_fsync)
     result = invoke(*certify_args(checkpoint, data_dir, "--out", out, "--batch-size", "2",
                                   "--n", "6", "--resume", "--json"))
     assert result.exit_code == 0, result.output
@@ -303,7 +303,7 @@ def test_weights_gone_non_finite_mid_epoch_are_one_clear_error(data_dir, tmp_pat
     that is divergence, reported as such at the next check, not a traceback."""
     import torch
 
-    import lofast.train_loop as train_module
+    import lofast.training.loop as train_module
 
     original = train_module.training_step
     calls = {"n": 0}
@@ -331,7 +331,7 @@ def test_non_finite_weights_stop_training_and_keep_the_last_good_state(data_dir,
                                                                        monkeypatch):
     import torch
 
-    import lofast.train_loop as train_module
+    import lofast.training.loop as train_module
 
     original = train_module.training_step
     calls = {"n": 0}
@@ -414,7 +414,7 @@ def test_a_full_disk_at_the_training_state_is_one_line_and_keeps_the_last_state(
 
 
 def test_interrupts_name_resume_only_where_a_command_has_it(monkeypatch, tmp_path):
-    import lofast.records
+    import lofast.certification.records
 
     path = tmp_path / "run.jsonl"
     path.write_text(HOSTILE_RECORDS["run.jsonl"] + "\n")
@@ -422,7 +422,7 @@ def test_interrupts_name_resume_only_where_a_command_has_it(monkeypatch, tmp_pat
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(lofast.records, "read_run", interrupted)
+    monkeypatch.setattr(lofast.certification.records, "read_run", interrupted)
     result = invoke("report", path)
     assert result.exit_code == 130 and "interrupted" in result.output
     assert "--resume" not in result.output
@@ -433,7 +433,7 @@ def test_a_head_with_a_zero_row_is_certified():
     certifiable (it was refused as 'NaN or infinity')."""
     import torch
 
-    from lofast.certificate import Certifier
+    from lofast.certification.certificate import Certifier
     from lofast.config import preset
     from lofast.models.vit import create_model
 
@@ -494,7 +494,7 @@ def test_a_schema_1_file_resumes_as_schema_1(checkpoint, data_dir, tmp_path):
     """A record file written before the header (schema 1) is continued in its own schema, and
     a file of a newer schema is refused in one line."""
     import lofast
-    from lofast.records import read_run
+    from lofast.certification.records import read_run
 
     out = tmp_path / "r.jsonl"
     run = lofast.certify(checkpoint, data_dir, eps=0.1, n=4, device="cpu")

@@ -236,8 +236,8 @@ def test_every_preset_trains_a_step_and_certifies(name, one_thread):
     an untrained model take a second or more each; paper-w384, the stages of paper-d3 at three
     times the width, only to the checks)."""
     from lofast.bounds.spectral import Guarantee
-    from lofast.certificate import Certifier
-    from lofast.training_bound import TrainingBound
+    from lofast.certification.certificate import Certifier
+    from lofast.training.bound import TrainingBound
 
     model = create_model(preset(name), seed=0)
     x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
@@ -280,8 +280,8 @@ def test_identity_value_output_and_live_first_fix_the_first_blocks_attention():
     """value_output=identity makes every head's B_l = Wv_l Wo_l the scaled projection onto the
     coordinates it owns (learned Wv, Wo dropped); live_first puts the live options in the first
     blocks; the certifier and the attention report take such a model as it is."""
-    from lofast.attention_report import attention_report
-    from lofast.certificate import Certifier
+    from lofast.certification.attention_report import attention_report
+    from lofast.certification.certificate import Certifier
 
     config = preset("tiny", depth=3, heads=2, score_norm=8.0, value_norm=0.2,
                     query_key="identity", value_output="identity", live_blocks=1,
@@ -318,7 +318,7 @@ def test_identity_value_output_and_live_first_fix_the_first_blocks_attention():
 
 
 def test_option_kinds_are_enums_read_and_written_as_their_names():
-    from lofast.certificate import CertifySettings
+    from lofast.certification.certificate import CertifySettings
     from lofast.config import Bound, Loss, ModelConfig, Pooling, TrainConfig, Weights, plain_dict
     from lofast.errors import CertificationError
 
@@ -374,7 +374,7 @@ def test_evaluate_is_the_accuracy_of_the_exactly_capped_model():
     the model is left in eval mode with nothing held."""
     import numpy as np
 
-    from lofast.train_loop import evaluate
+    from lofast.training.loop import evaluate
 
     model = create_model(preset("tiny", num_classes=4), seed=0).train()
     rng = np.random.default_rng(0)
@@ -464,7 +464,7 @@ def test_augment_crops_and_flips_from_its_generator():
     or not, chosen by the generator (the same seed, the same batch), all of them in use."""
     import torch.nn.functional as F
 
-    from lofast.train_loop import augment
+    from lofast.training.loop import augment
 
     images = torch.rand(64, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     out = augment(images, torch.Generator().manual_seed(1))

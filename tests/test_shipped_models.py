@@ -25,12 +25,12 @@ import torch
 from click.testing import CliRunner
 
 import lofast
-from lofast.attention_report import attention_report
-from lofast.certificate import Certifier, CertifySettings
+from lofast.certification.attention_report import attention_report
+from lofast.certification.certificate import Certifier, CertifySettings
+from lofast.certification.records import read_run
 from lofast.checkpoint import SHIPPED_DIR, load_checkpoint, read_registry, shipped_path
 from lofast.cli.main import cli
 from lofast.data.sample import class_balanced_order, load_bundled_sample
-from lofast.records import read_run
 
 REGISTRY = read_registry()
 REFERENCE = REGISTRY["reference_subset"]
@@ -153,7 +153,7 @@ def test_records_survive_a_schema_1_to_2_round_trip(one_thread, tmp_path):
     """lofast-live's records of 100 bundled images (with an attack's and a fallback's fields on
     some), written as a schema-1 file (no header, run settings in every record), read, written
     as schema 2 and read again: identical field by field; report reads both alike."""
-    from lofast.records import SCHEMA, write_records
+    from lofast.certification.records import SCHEMA, write_records
 
     run = lofast.certify("lofast-live", eps=[0.02, 0.05], n=100, device="cpu")
     for r in run.records[:10]:  # the fields of --attack and --fallback, as they are written

@@ -10,12 +10,12 @@ import torch
 from helpers import train_tiny
 from torch import Tensor, nn
 
-from lofast.attack import pgd_l2
 from lofast.bounds.stage import Stage
-from lofast.certificate import Certifier
+from lofast.certification.attack import pgd_l2
+from lofast.certification.certificate import Certifier
 from lofast.crown.export import export_plain
 from lofast.errors import CertificationError
-from lofast.training_bound import TrainingBound
+from lofast.training.bound import TrainingBound
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,12 +16,17 @@ from lofast.bounds.estimate import (
 )
 from lofast.bounds.spectral import SpectralMethod
 from lofast.bounds.stages import radius_maps
-from lofast.certificate import Certifier, CertifySettings
+from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.config import TrainConfig, preset
 from lofast.models.layers import Attention
 from lofast.models.vit import create_model
-from lofast.objective import attention_reward, head_pair_norms, scheduled_eps, training_loss
-from lofast.training_bound import TrainingBound
+from lofast.training.bound import TrainingBound
+from lofast.training.objective import (
+    attention_reward,
+    head_pair_norms,
+    scheduled_eps,
+    training_loss,
+)
 
 DENSE = SpectralMethod(kind="dense")
 

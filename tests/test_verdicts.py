@@ -10,10 +10,10 @@ from click.testing import CliRunner
 from helpers import record_lines, train_tiny
 from PIL import Image
 
-from lofast.attack import pgd_attack
+from lofast.certification.attack import pgd_attack
+from lofast.certification.pipeline import run_attack
 from lofast.checkpoint import load_checkpoint
 from lofast.cli.main import cli
-from lofast.pipeline import run_attack
 
 pytestmark = pytest.mark.usefixtures("shared_cache")
 
@@ -174,7 +174,7 @@ def test_minimum_norm_attack_finds_a_planted_counterexample(trained):
     """Images just before the decision boundary on the segment towards an image of another
     class: the attack's adversarial radius is at most the planted distance (it may find a
     nearer one), its counterexample changes the prediction in float64 and lies in the box."""
-    from lofast.attack import minimum_norm_attack
+    from lofast.certification.attack import minimum_norm_attack
 
     model, x, y = trained
     model = copy.deepcopy(model).double()
@@ -205,10 +205,10 @@ def test_minimum_norm_attack_finds_a_planted_counterexample(trained):
 def test_a_certificate_beyond_a_counterexample_stops_the_run(trained):
     """The attack's end-to-end check: a record claiming a radius beyond a counterexample the
     attack finds is reported as unsound, not written."""
-    from lofast.certificate import Certifier
+    from lofast.certification.certificate import Certifier
+    from lofast.certification.pipeline import _batch_records
     from lofast.config import AttackSettings
     from lofast.errors import CertificationError
-    from lofast.pipeline import _batch_records
 
     model, x, y = trained
     records, _ = _batch_records(Certifier(model), x[:4], y[:4], range(4), [0.05], {})
@@ -262,7 +262,7 @@ def test_large_attacks_run_in_parts(trained, monkeypatch):
     """restarts x samples above MAX_ATTACK_IMAGES is attacked in parts of that size: the same
     shapes, every perturbation in the ball and the box, found ones checked; memory no longer
     grows with --attack-restarts x --batch-size."""
-    from lofast import attack
+    from lofast.certification import attack
 
     model, x, y = trained
     model = copy.deepcopy(model).double()

@@ -18,7 +18,7 @@ from lofast.errors import CertificationError
 class StageRules(Protocol):
     """How ``radius_maps`` takes the quantities a stage's radius map needs: sound float64 upper
     bounds for a certificate (``certificate.VerifiedNorms``), differentiable estimates for
-    certified training (``training_bound.TrainingBound``)."""
+    certified training (``training.bound.TrainingBound``)."""
 
     local_projection: bool  # LayerProject's local contraction around the clean tokens (else 1)
 

@@ -6,8 +6,9 @@ order; the activation recorded for stage k is its clean input, (B, n, d) for tok
 never reach into modules.
 
 ``radius_maps`` walks the specs once, for both of their uses. How a stage's norms are taken is
-the caller's ``StageRules``: sound float64 upper bounds for a certificate (``lofast.certificate``),
-or differentiable estimates with warm starts for certified training (``lofast.training_bound``).
+the caller's ``StageRules``: sound float64 upper bounds for a certificate
+(``lofast.certification.certificate``), or differentiable estimates with warm starts for
+certified training (``lofast.training.bound``).
 Every spec follows ``bounds.stage.Stage``: its radius map, the tokens it lets a perturbation
 reach, its Lipschitz constant, its checks and its plain form are its own methods, so a new
 stage type is one spec class (and the module that builds it), with no table to extend.

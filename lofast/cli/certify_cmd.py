@@ -140,11 +140,11 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
             attack_steps, attack_restarts, attack_box, save_adversarial, seed, out,
             resume, shard, as_json, attention_report, classes_unchecked) -> None:
     """Certify l2 robustness of every sample with the LoFAST bound."""
-    from lofast.certificate import CertifySettings
+    from lofast.certification.certificate import CertifySettings
+    from lofast.certification.pipeline import run_certify
+    from lofast.certification.report import summary_table
     from lofast.config import AttackSettings, CertifyConfig
     from lofast.errors import ConfigError
-    from lofast.pipeline import run_certify
-    from lofast.report import summary_table
 
     if save_adversarial is not None and not attack:
         raise ConfigError("--save-adversarial needs --attack")

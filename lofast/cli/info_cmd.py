@@ -1,5 +1,5 @@
 """`lofast info`: a checkpoint's config, metadata and per-stage Lipschitz constants, and, on
-data, what its attention does (``lofast.attention_report``)."""
+data, what its attention does (``lofast.certification.attention_report``)."""
 
 from __future__ import annotations
 
@@ -95,11 +95,11 @@ def show_attention(model, meta, data_path, dataset, split, limit, eps_values, ba
                    device, classes_unchecked=False) -> None:
     """Measure attention on the data (the bundled sample when data_path is None) and print the
     per-head table and the ablation."""
-    from lofast.attention_report import attention_report
-    from lofast.certificate import CertifySettings
+    from lofast.certification.attention_report import attention_report
+    from lofast.certification.certificate import CertifySettings
+    from lofast.certification.pipeline import load_samples
+    from lofast.certification.report import ablation_table, attention_table
     from lofast.cli.progress import phase_progress
-    from lofast.pipeline import load_samples
-    from lofast.report import ablation_table, attention_table
     from lofast.runtime import default_batch_size, resolve_device
 
     dev = resolve_device(device)

@@ -21,11 +21,11 @@ from lofast.cli.console import stderr, stdout
 @click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON on stdout.")
 def report(runs, plot_path, merge, as_json) -> None:
     """Summarise RUNS (files written by `lofast certify --out`), side by side."""
-    from lofast.records import merge_runs, read_run
-    from lofast.report import summarize, summary_table
+    from lofast.certification.records import merge_runs, read_run
+    from lofast.certification.report import summarize, summary_table
 
     if plot_path is not None:
-        from lofast.plot import check_plot_path
+        from lofast.certification.plot import check_plot_path
 
         check_plot_path(plot_path, runs)  # before any work
     loaded = {str(path): read_run(path, allow_empty=merge) for path in runs}
@@ -39,7 +39,7 @@ def report(runs, plot_path, merge, as_json) -> None:
                                     run.get("guarantee", "-"), run.get("bound", "-"),
                                     run.get("kappa", float("nan")), "-")
     if plot_path is not None:
-        from lofast.plot import robustness_plot
+        from lofast.certification.plot import robustness_plot
 
         robustness_plot({Path(name).stem: records for name, records in loaded.items()},
                         plot_path)

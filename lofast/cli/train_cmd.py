@@ -138,7 +138,7 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
           limit, out, resume, time_limit, overwrite) -> None:
     """Train a Lipschitz ViT on a data set and save it as a checkpoint."""
     from lofast.errors import TimeLimitReached
-    from lofast.train_pipeline import run_train
+    from lofast.training.pipeline import run_train
 
     config = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
                          warmup_epochs=warmup_epochs, schedule=schedule, loss=loss,
@@ -169,7 +169,7 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
 
 
 class BarProgress:
-    """``train_pipeline.TrainProgress`` drawn on stderr by the process that writes: a bar per
+    """``training.pipeline.TrainProgress`` drawn on stderr by the process that writes: a bar per
     epoch on a terminal, plain lines at most every PLAIN_PROGRESS_SECONDS elsewhere
     (``cli.progress.PlainProgress``), a line per epoch."""
 

@@ -75,7 +75,7 @@ def parse_shard(value: Any) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class AttackSettings:
-    """l2 PGD on the samples no verifier certified (``lofast.attack.pgd_attack``)."""
+    """l2 PGD on the samples no verifier certified (``lofast.certification.attack.pgd_attack``)."""
 
     steps: int = 100
     restarts: int = 5

@@ -67,7 +67,7 @@ DEFAULT_PRESET = "paper-d3"  # the architecture of a run given neither a preset 
 @dataclass(frozen=True)
 class TrainRun:
     """What a training run reads and writes beside its ``TrainConfig``, as ``lofast train`` and
-    ``lofast.train`` take it; checked here, once, for both (``train_pipeline.run_train`` runs
+    ``lofast.train`` take it; checked here, once, for both (``training.pipeline.run_train`` runs
     it).
 
     data: the data set (a path); out: the checkpoint to write (its resumable state beside it,

@@ -17,8 +17,8 @@ is only a fallback. The modules:
 Threat model: the l2 ball of radius eps around the image, NOT intersected with the pixel box
 [0,1]. auto_LiRPA's l2 perturbation ignores x_L/x_U (they are only used for the l-infinity
 norm), so a certificate covers the whole ball. That contains the ball-and-box threat model of
-`lofast.attack.pgd_l2` and LoFAST's own (which never uses the box), so it is sound, and at most
-slightly looser than ball-and-box.
+`lofast.certification.attack.pgd_l2` and LoFAST's own (which never uses the box), so it is
+sound, and at most slightly looser than ball-and-box.
 
 auto_LiRPA is optional and only imported inside functions. Install it with
     pip install --no-deps "git+https://github.com/Verified-Intelligence/auto_LiRPA"

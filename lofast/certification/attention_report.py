@@ -39,12 +39,12 @@ from torch import Tensor
 
 from lofast.bounds.attention import attention_probabilities
 from lofast.bounds.attention_spec import AttentionSpec
-from lofast.certificate import Certifier, CertifySettings
+from lofast.certification.certificate import Certifier, CertifySettings
+from lofast.certification.records import eps_key
 from lofast.config import Weights
 from lofast.errors import CertificationError
 from lofast.models.layers import Attention
 from lofast.models.vit import LipschitzViT
-from lofast.records import eps_key
 
 # log Pbar_l would be -inf where a mean attention weight underflowed to exactly 0 (a position
 # bias that spreads its row over more than ~745 nats); a non-finite bias is no model. Clamping

@@ -1,5 +1,5 @@
 """Records -> a summary (certified accuracy per eps, radii, tightness, time) as a table or JSON,
-and the attention report's tables. The records and their files: ``lofast.records``."""
+and the attention report's tables. The records and their files: ``lofast.certification.records``."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from lofast.records import SampleRecord, eps_key
+from lofast.certification.records import SampleRecord, eps_key
 
 if TYPE_CHECKING:
-    from lofast.attention_report import AttentionReport
+    from lofast.certification.attention_report import AttentionReport
 
 
 @dataclass

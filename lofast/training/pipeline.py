@@ -1,6 +1,6 @@
 """The training pipeline and its one driver, ``run_train``: data, the model (a preset, or a
 checkpoint to start from), the device (one process or a torchrun job), the resume plan, the
-loop (``train_loop``), and the checkpoint with its training record. The command line
+loop (``training.loop``), and the checkpoint with its training record. The command line
 (``lofast train``) and the Python API (``lofast.train``) both build a ``config.TrainConfig`` and
 a ``config.TrainRun`` and call it; nothing here prints.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from lofast.config import TrainConfig, TrainRun
 from lofast.errors import LofastError, TimeLimitReached
-from lofast.train_loop import EpochStats, StepStats
+from lofast.training.loop import EpochStats, StepStats
 
 
 class TrainProgress:
@@ -52,7 +52,7 @@ def run_train(config: TrainConfig, run: TrainRun, progress: TrainProgress | None
     from lofast.files import check_writable
     from lofast.models.vit import create_model, with_options
     from lofast.runtime import resolve_device
-    from lofast.train_loop import train
+    from lofast.training.loop import train
 
     progress = progress or TrainProgress()
     deadline = None if run.time_limit is None else time.monotonic() + run.time_limit

@@ -21,15 +21,15 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from lofast.certificate import Certifier, CertifySettings
+from lofast.certification.certificate import Certifier, CertifySettings
+from lofast.certification.records import EpsResult, SampleRecord, eps_key
+from lofast.certification.report import Summary
 from lofast.config import FALLBACKS, AttackSettings, CertifyConfig
 from lofast.errors import CertificationError, ConfigError, LofastError
-from lofast.records import EpsResult, SampleRecord, eps_key
-from lofast.report import Summary
 
 if TYPE_CHECKING:
-    from lofast.attention_report import AttentionReport
     from lofast.bab import BabSettings
+    from lofast.certification.attention_report import AttentionReport
 
 # progress(phase, done, total): called after every sample a fallback verifier finishes
 Progress = Callable[[str, int, int], None]
@@ -68,10 +68,10 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
     resumed from it), the summary, the attention report. Under torchrun every process takes its
     interleaved part and writes ``out.rankIofN``; process 0 merges the parts, writes ``out``
     and returns the whole run, the others return None."""
+    from lofast.certification.records import RecordWriter, merge_runs, write_records
+    from lofast.certification.report import summarize
     from lofast.distributed import gather_on_first, process_group, torchrun_rank
     from lofast.files import check_writable
-    from lofast.records import RecordWriter, merge_runs, write_records
-    from lofast.report import summarize
     from lofast.runtime import default_batch_size, resolve_device
 
     progress = progress or RunProgress()
@@ -173,7 +173,7 @@ def measure_attention(model: nn.Module, data: object, records: Sequence[SampleRe
     """The attention report on the records' samples. The real model's verdicts are LoFAST's
     own, read from the records (a sample only a fallback certified counts as not certified):
     the ablated model is certified by LoFAST alone, so both sides are compared alike."""
-    from lofast.attention_report import attention_report
+    from lofast.certification.attention_report import attention_report
 
     chosen = [r.index for r in records]
     lofast_verdicts = torch.tensor(
@@ -251,7 +251,7 @@ def run_attack(model: nn.Module, images: Tensor, records: Sequence[SampleRecord]
 
     Every counterexample is re-checked in float64 before it is reported; one within a certified
     radius raises CertificationError (the certificate would be broken)."""
-    from lofast.attack import minimum_norm_attack, pgd_attack
+    from lofast.certification.attack import minimum_norm_attack, pgd_attack
 
     model64 = copy.deepcopy(model).double().eval()
     x = images.double()

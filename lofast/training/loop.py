@@ -1,5 +1,5 @@
 """Training loop, data augmentation and the resumable training state (the loss of a step:
-``lofast.objective``). Progress goes through callbacks."""
+``lofast.training.objective``). Progress goes through callbacks."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from lofast.config import Loss, Schedule, TrainConfig, plain_dict
 from lofast.errors import LofastError, TimeLimitReached
 from lofast.files import atomic_write, check_readable
 from lofast.models.vit import LipschitzViT
-from lofast.objective import CompiledObjective, TrainingObjective, scheduled_eps
-from lofast.training_bound import TrainingBound
+from lofast.training.bound import TrainingBound
+from lofast.training.objective import CompiledObjective, TrainingObjective, scheduled_eps
 
 
 def augment(images: Tensor, generator: torch.Generator) -> Tensor:

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from lofast.config import Loss, TrainConfig
 from lofast.models.vit import LipschitzViT
-from lofast.training_bound import TrainingBound
+from lofast.training.bound import TrainingBound
 
 
 def head_pair_norms(model: LipschitzViT, labels: Tensor) -> Tensor:

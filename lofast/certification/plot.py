@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
+from lofast.certification.records import SampleRecord
 from lofast.errors import LofastError
 from lofast.files import atomic_write
-from lofast.records import SampleRecord
 
 INSTALL_HINT = 'pip install matplotlib  (or: pip install -e ".[report]")'
 FORMATS = (".png", ".pdf", ".svg")  # what --plot writes, by the file's suffix

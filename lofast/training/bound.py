@@ -1,13 +1,13 @@
 """The end-to-end LoFAST bound with gradients, for certified training (an estimate, see below).
 
-The certifier (``lofast.certificate``) propagates an input radius through the stages with sound
-float64 bounds. This module propagates it the same way through the stages of a model being
-trained, by the same walk (``bounds.stages.radius_maps``) over the model's differentiable
-stage specs, in the working precision and with gradients: the patch embedding multiplies it by
-||W||, LayerProject by its local factor, attention applies the LoFAST delta (zeta by a few
-power steps warm-started from the previous batch, see ``bounds.estimate``), SLL layers keep it,
-mean pooling divides it by sqrt(n). Because zeta is estimated from below, the radius here can
-be slightly smaller than the certifier's; it guides learning only.
+The certifier (``lofast.certification.certificate``) propagates an input radius through the
+stages with sound float64 bounds. This module propagates it the same way through the stages of a
+model being trained, by the same walk (``bounds.stages.radius_maps``) over the model's
+differentiable stage specs, in the working precision and with gradients: the patch embedding
+multiplies it by ||W||, LayerProject by its local factor, attention applies the LoFAST delta
+(zeta by a few power steps warm-started from the previous batch, see ``bounds.estimate``), SLL
+layers keep it, mean pooling divides it by sqrt(n). Because zeta is estimated from below, the
+radius here can be slightly smaller than the certifier's; it guides learning only.
 """
 
 from __future__ import annotations
