@@ -24,13 +24,13 @@ def pytest_configure(config):
 # no worker is left with a long file when the others are done, and the short ones last fill
 # the gaps evenly.
 FILES_LONGEST_FIRST = (
-    "test_certify.py", "test_distributed.py", "test_shipped_models.py",
-    "test_bounds_attention.py", "test_bab.py", "test_cli.py", "test_adversarial_checkpoints.py",
-    "test_models.py", "test_training_bound.py", "test_bounds_spectral.py",
-    "test_bounds_near_reference.py", "test_verdicts.py", "test_attention_report.py",
-    "test_hostile_inputs.py", "test_data.py", "test_bounds_coordinate_jacobian.py",
-    "test_bounds_deflation.py", "test_api.py", "test_crown.py", "test_checkpoint.py",
-    "test_stage_protocol.py", "test_attention_norms.py", "test_bounds_compose.py")
+    "test_distributed.py", "test_certify.py", "test_shipped_models.py",
+    "test_bounds_attention.py", "test_cli.py", "test_bab.py", "test_api.py",
+    "test_training_bound.py", "test_adversarial_checkpoints.py", "test_verdicts.py",
+    "test_models.py", "test_attention_norms.py", "test_bounds_spectral.py",
+    "test_bounds_near_reference.py", "test_hostile_inputs.py", "test_attention_report.py",
+    "test_stage_protocol.py", "test_bounds_coordinate_jacobian.py", "test_data.py",
+    "test_bounds_deflation.py", "test_crown.py", "test_checkpoint.py", "test_bounds_compose.py")
 
 # Two lanes (``pytest -m unit`` / ``-m integration``). The integration lane runs the product as
 # a user does: commands, the API's pipelines, torchrun, the shipped models, files from outside.

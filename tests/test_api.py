@@ -2,9 +2,11 @@
 as objects (the README's example and the API's records against the CLI's, both on the shipped
 default, are in test_shipped_models)."""
 
+import re
 import subprocess
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -242,3 +244,21 @@ def test_api_trains_and_certifies_with_everything_the_command_has(data_dir, tmp_
                            attack=True, out=records, resume=True)
     assert [r.index for r in again.records[:4]] == [r.index for r in first.records]
     assert again.summary.samples == 6 and all(r.attacked for r in again.records)
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_example() -> str:
+    """The indented code block of the README's "Python API" section."""
+    section = README.read_text().split("\n## Python API\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"^    \S.*(?:\n(?:    .*|[ ]*)$)*", section, flags=re.MULTILINE)
+    assert block, "the README's Python API section has no code block"
+    return "\n".join(line[4:] for line in block.group(0).splitlines())
+
+
+def test_readme_example_runs_as_written(one_thread, capsys):
+    code = readme_example()
+    assert "import lofast" in code
+    exec(compile(code, str(README), "exec"), {})  # noqa: S102 - the README example, as written
+    assert capsys.readouterr().out.strip(), "the example prints its results"
