@@ -15,6 +15,7 @@ from lofast.bounds import (
     coordinate_jacobian,
     first_order,
     softmax_terms,
+    spectral,
 )
 from lofast.bounds.attention import (
     AttentionSensitivity,
@@ -801,6 +802,22 @@ def test_softmax_first_order_norm_matches_autograd(n, d, h, dh, residual, method
     assert (sens.softmax_first_order < 0.8 * product).all()
 
 
+@pytest.mark.parametrize("batch, h, n, m, k", [(2, 3, 5, 7, 4), (1, 1, 4, 3, 6), (3, 2, 6, 12, 5)])
+def test_softmax_first_order_matrix_is_the_map_column_by_column(batch, h, n, m, k):
+    # the closed form against the map applied to every basis vector (vmap), in float64
+    g = torch.Generator().manual_seed(batch + h + n)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    probs = torch.softmax(2.0 * draw(batch, h, n, n), dim=-1)
+    keys, queries, right = draw(batch, h, m, n), draw(batch, h, m, n), draw(batch, h, n, k)
+    apply, _ = softmax_terms.softmax_first_order_maps(probs, keys, queries, right, 1.7)
+    columns = spectral._materialise(apply, (n, m), n * k, batch, torch.device("cpu"))
+    closed = softmax_terms.softmax_first_order_matrix(probs, keys, queries, right, 1.7)
+    torch.testing.assert_close(closed, columns, rtol=0, atol=1e-14)
+
+
 @pytest.mark.parametrize("n, d, h, dh, residual", [(5, 24, 1, 8, True), (3, 20, 2, 6, False),
                                                    (4, 40, 1, 40, True)])
 @pytest.mark.parametrize("method", [DENSE, VERIFIED, LANCZOS], ids=["dense", "verified", "lanczos"])
@@ -818,13 +835,18 @@ def test_softmax_first_order_norm_compresses_few_heads(monkeypatch, n, d, h, dh,
              + torch.linalg.matrix_norm(X[:, None] @ A, ord=2))  # >= ||M_l||, (B, h)
     probs = torch.as_tensor(reference_probabilities(X, w))
     shapes = []
-    real = softmax_terms.operator_norm
+    real, real_explicit = softmax_terms.operator_norm, softmax_terms.explicit_norm
 
     def recording(apply, adjoint, in_shape, *args, **kwargs):
         shapes.append(tuple(in_shape))
         return real(apply, adjoint, in_shape, *args, **kwargs)
 
+    def recording_explicit(matrix, method):  # (B, n k, n m): the map's input is n x m
+        shapes.append((n, matrix.shape[-1] // n))
+        return real_explicit(matrix, method)
+
     monkeypatch.setattr(softmax_terms, "operator_norm", recording)
+    monkeypatch.setattr(softmax_terms, "explicit_norm", recording_explicit)
     bound = softmax_terms.softmax_first_order_norm(probs, x_query, x_key, x_value_out, w.query,
                                                    w.key, score, w.scale, method, None)
     assert shapes == [(n, 2 * h * n)]

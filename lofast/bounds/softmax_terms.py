@@ -15,7 +15,12 @@ from torch import Tensor
 
 from lofast.bounds.first_order import sample_chunks
 from lofast.bounds.krylov import LinearMap
-from lofast.bounds.spectral import SpectralMethod, operator_norm, working_elements
+from lofast.bounds.spectral import (
+    SpectralMethod,
+    explicit_norm,
+    operator_norm,
+    working_elements,
+)
 from lofast.bounds.verified import gamma
 
 
@@ -67,6 +72,11 @@ def softmax_first_order_norm(probs: Tensor, x_query: Tensor, x_key: Tensor, x_va
     width = through_keys.shape[-2]
     parts = []
     for rows in sample_chunks(batch, working_elements(method, n * width, n * k), probs.device):
+        if method.kind in ("dense", "verified"):  # the matrix in closed form, then its norm
+            parts.append(explicit_norm(softmax_first_order_matrix(
+                probs[rows], through_keys[rows], through_queries[rows], factor[rows], scale),
+                method))
+            continue
         apply, adjoint = softmax_first_order_maps(probs[rows], through_keys[rows],
                                                   through_queries[rows], factor[rows], scale)
         parts.append(operator_norm(apply, adjoint, (n, width), probs[rows].shape[0], method,
@@ -187,6 +197,29 @@ def softmax_first_order_maps(probs: Tensor, through_keys: HeadMatrices,
                                                                           through_queries)
 
     return apply, adjoint
+
+
+def softmax_first_order_matrix(probs: Tensor, through_keys: Tensor, through_queries: Tensor,
+                               right: Tensor, scale: float) -> Tensor:
+    """The explicit matrix (B, n k, n m) of ``softmax_first_order_maps``' map
+    G -> sum_l J_l(G K_l + (G U_l)^T) right_l / s (n x m -> n x k, row-major vec on both sides),
+    built in closed form instead of column by column.
+
+    probs (B, h, n, n); through_keys K_l and through_queries U_l (B, h, m, n); right (B, h, n, k).
+    Row i of J_l(E) R_l (R_l = right_l) is sum_j p_ij E_ij (R_l[j] - (P_l R_l)[i]), so with
+    M_l[i, j, a] = p_ij (R_l[j, a] - (P_l R_l)[i, a]) / s and E_ij = g_i . K_l[:, j] + g_j . U_l[:, i]:
+        d Z[i, a] / d G[i', c] = [i = i'] sum_{l, j} K_l[c, j] M_l[i, j, a]
+                                 + sum_l M_l[i, i', a] U_l[c, i].
+    Each entry is a sum of at most h (n + 2) products of the data, as in one matrix-free
+    product (``spectral.explicit_norm``'s ROUNDING_MARGIN covers both)."""
+    batch, n = probs.shape[0], probs.shape[-1]
+    m, k = through_keys.shape[-2], right.shape[-1]
+    mixed = probs[..., None] * (right[:, :, None] - (probs @ right)[:, :, :, None]) / scale
+    matrix = torch.einsum("blima,blci->biamc", mixed, through_queries)  # (B, n, k, n, m)
+    diagonal = torch.einsum("blcj,blija->biac", through_keys, mixed)  # (B, n, k, m)
+    tokens = torch.arange(n, device=probs.device)
+    matrix[:, tokens, :, tokens, :] += diagonal.transpose(0, 1)
+    return matrix.reshape(batch, n * k, n * m)
 
 
 def probabilities_from_projections(x_query: Tensor, x_key: Tensor, scale: float,

@@ -266,22 +266,32 @@ def operator_norm(apply: LinearMap, adjoint: LinearMap, in_shape: tuple[int, ...
     if math.prod(out_shape) < math.prod(in_shape):  # iterate on the smaller side
         apply, adjoint, in_shape, out_shape = adjoint, apply, out_shape, in_shape
     if method.kind in ("dense", "verified"):
-        matrix = _materialise(apply, in_shape, math.prod(out_shape), batch, device)
-        if method.kind == "dense":
-            return matrix_norm_upper(matrix)
-        # exact rescaling by a power of two (an entry that underflows moves by at most
-        # SUBNORMAL / 2, the matrix by at most sqrt(m k) SUBNORMAL / 2 in norm)
-        unit = power_of_two_above(matrix.abs().amax(dim=(-2, -1)))
-        gram, error = gram_with_error(matrix / unit[:, None, None])
-        norm = verified_gram_norm(gram, relative_slack=method.relative_slack, gram_error=error,
-                                  steps=method.estimate_steps, symmetric=True, overwrite=True)
-        spill = torch.where(unit > 1, math.sqrt(matrix.shape[1] * matrix.shape[2]) * SUBNORMAL,
-                            0.0)  # dividing by unit <= 1 is exact
-        return (norm + spill) * unit * (1.0 + ROUNDING_MARGIN)
+        return explicit_norm(_materialise(apply, in_shape, math.prod(out_shape), batch, device),
+                             method)
     start = _random_unit(batch, math.prod(in_shape), device, generator)
     if method.kind == "lanczos":
         return lanczos_norm(apply, adjoint, start, in_shape, method)
     return power_norm(apply, adjoint, start, in_shape, method.power_iterations)
+
+
+def explicit_norm(matrix: Tensor, method: SpectralMethod) -> Tensor:
+    """Upper bounds (B,) on the spectral norms of explicit matrices (B, m, k) that represent
+    linear maps, for the dense and verified methods (``operator_norm``'s guarantee for them;
+    ROUNDING_MARGIN covers the rounding of forming the matrices, which the callers keep to
+    sums of a few products per entry, as a matrix-free product has)."""
+    if method.kind == "dense":
+        return matrix_norm_upper(matrix)
+    if method.kind != "verified":
+        raise ValueError(f"explicit matrices take the dense or verified method, not {method.kind}")
+    # exact rescaling by a power of two (an entry that underflows moves by at most
+    # SUBNORMAL / 2, the matrix by at most sqrt(m k) SUBNORMAL / 2 in norm)
+    unit = power_of_two_above(matrix.abs().amax(dim=(-2, -1)))
+    gram, error = gram_with_error(matrix / unit[:, None, None])
+    norm = verified_gram_norm(gram, relative_slack=method.relative_slack, gram_error=error,
+                              steps=method.estimate_steps, symmetric=True, overwrite=True)
+    spill = torch.where(unit > 1, math.sqrt(matrix.shape[1] * matrix.shape[2]) * SUBNORMAL,
+                        0.0)  # dividing by unit <= 1 is exact
+    return (norm + spill) * unit * (1.0 + ROUNDING_MARGIN)
 
 
 def lanczos_norm(apply: LinearMap, adjoint: LinearMap, start: Tensor, in_shape: tuple[int, ...],
