@@ -28,7 +28,6 @@ predictions here are the ones ``lofast certify`` reports.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -239,9 +238,8 @@ class _Float64Model:
 
     def __init__(self, model: LipschitzViT, device: torch.device | str) -> None:
         self.device = torch.device(device)
-        self.model = copy.deepcopy(model).to(self.device, torch.float64).eval()
+        self.model = model.frozen_float64(self.device)
         with torch.no_grad():
-            self.model.hold_effective_weights(True)
             structure = self.model.structure()
         self.weights: dict[int, AttentionSpec] = {
             i: spec for i, spec in enumerate(structure) if isinstance(spec, AttentionSpec)}

@@ -6,7 +6,6 @@ every bound are computed in float64 from the effective weights the model reports
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import dataclass
@@ -156,9 +155,7 @@ class Certifier:
                  device: torch.device | str = "cpu") -> None:
         self.settings = settings or CertifySettings()
         self.device = torch.device(device)
-        self.model = copy.deepcopy(model).to(self.device, torch.float64).eval()
-        with torch.no_grad():
-            self.model.hold_effective_weights(True)  # the copy's weights never change
+        self.model = model.frozen_float64(self.device)
         # specs on the certifier's device. They hold the per-model proofs (an attention spec's
         # verified reference norm and deflations, computed on first use): these live and die
         # with this certifier; certify many batches with one Certifier to pay them once.

@@ -9,7 +9,6 @@ repeats any of it, and nothing here prints.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -253,8 +252,8 @@ def run_attack(model: nn.Module, images: Tensor, records: Sequence[SampleRecord]
     radius raises CertificationError (the certificate would be broken)."""
     from lofast.certification.attack import minimum_norm_attack, pgd_attack
 
-    model64 = copy.deepcopy(model).double().eval()
     x = images.double()
+    model64 = model.frozen_float64(x.device)
     found: dict[int, tuple[Tensor, int]] = {}  # sample -> (perturbation, adversarial class)
     correct = [b for b, r in enumerate(records) if r.prediction == r.label]
     for b, r in enumerate(records):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy as copy_module
 import dataclasses
 from collections.abc import Iterator, Mapping
 
@@ -106,6 +107,16 @@ class LipschitzViT(nn.Module):
         finally:
             self.hold_effective_weights(False)
             self._reusing = False
+
+    def frozen_float64(self, device: torch.device | str) -> LipschitzViT:
+        """A private float64 copy on ``device``, in eval mode, for a certifier, an attack or a
+        report that never changes its weights: its capped stages hold their effective weights
+        and its SLL layers their rescaling (no SVD on any forward pass). The copy is the
+        model in float64, so certificates and counterexamples are about that model."""
+        copy = copy_module.deepcopy(self).to(torch.device(device), torch.float64).eval()
+        with torch.no_grad():
+            copy.hold_effective_weights(True)
+        return copy
 
     def hold_effective_weights(self, hold: bool) -> None:
         """hold=True: from now on the capped stages reuse their current effective weights and
