@@ -361,3 +361,19 @@ def test_gram_with_error_bounds_the_rounding():
     spectral_deviation = np.linalg.norm(deviation.astype(np.float64), ord=2, axis=(1, 2))
     assert (spectral_deviation <= error.numpy()).all()
     assert (error.numpy() <= 1e-11 * np.linalg.norm(M.numpy(), axis=(1, 2)) ** 2).all()
+
+
+@pytest.mark.parametrize("rows, inner", [(5, 30), (16, 9), (67, 40), (40, 200)])
+def test_gram_by_lower_row_blocks_is_the_gram(rows, inner):
+    # wide and tall matrices, below and above the blocked size: the mirrored lower triangle is
+    # the whole Gram matrix, within rounding, against an extended-precision reference
+    g = torch.Generator().manual_seed(rows)
+    M = torch.randn(2, rows, inner, generator=g, dtype=torch.float64)
+    for matrix in (M, M.mT):
+        gram, error = verified.gram_with_error(matrix)
+        side = matrix if matrix.shape[-1] > matrix.shape[-2] else matrix.mT
+        reference = np.einsum("bik,bjk->bij", side.numpy().astype(np.longdouble),
+                              side.numpy().astype(np.longdouble))
+        deviation = np.abs(gram.numpy().astype(np.longdouble) - reference).astype(np.float64)
+        assert (np.linalg.norm(deviation, ord=2, axis=(1, 2)) <= error.numpy()).all()
+        assert torch.equal(gram, gram.mT)
