@@ -1,0 +1,133 @@
+"""Certification time against the token count, per guarantee, with the growth exponent.
+
+    python benchmarks/bench_tokens.py [--tokens 4,16,64] [--guarantees exact,probabilistic]
+        [--models 2] [--small 4] [--large 12] [--position-bias] [--device auto]
+        [--out bench_tokens.json]
+
+The models are fresh Lipschitz ViTs of width 128, depth 3 and 8 heads, with live attention as
+initialised. They cut 4 / 16 / 64 patch tokens from 32 x 32 images (patch 16 / 8 / 4), and 256
+from 64 x 64 images (patch 4); pass --tokens 4,16,64,256 for the last (minutes on a CPU). For
+each shape, guarantee and model (seeds 0, 1, ...), two new Certifiers certify the first --small
+and the first --large of a fixed set of random images (uniform pixels, labels the model's own
+predictions):
+
+- per sample: the difference of the two times over --large minus --small samples;
+- once per model (the per-model proofs): the small run's time less --small per-sample times.
+
+The growth exponent is the least-squares slope of log(ms a sample) on log(tokens) over the
+shapes run. Prints a table and writes JSON; radii are not compared (``bench_certify.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+
+import torch
+
+from lofast.certification.certificate import Certifier, CertifySettings
+from lofast.config import ModelConfig
+from lofast.models.vit import create_model
+from lofast.runtime import resolve_device
+
+# patch tokens -> (image size, patch size)
+SHAPES = {4: (32, 16), 16: (32, 8), 64: (32, 4), 256: (64, 4)}
+
+
+def timed_certify(model, images: torch.Tensor, labels: torch.Tensor, guarantee: str,
+                  device: torch.device) -> float:
+    """Seconds for a new Certifier to certify the images, its per-model proofs included."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    Certifier(model, CertifySettings(guarantee=guarantee), device).certify(images, labels)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def measure(tokens: int, guarantee: str, args: argparse.Namespace,
+            device: torch.device) -> dict:
+    """Per-sample milliseconds and once-per-model seconds, averaged over --models models."""
+    size, patch = SHAPES[tokens]
+    config = ModelConfig(image_size=size, patch_size=patch, width=128, depth=3, heads=8,
+                         position_bias=args.position_bias)
+    generator = torch.Generator().manual_seed(0)
+    images = torch.rand(args.large, 3, size, size, generator=generator)
+    per_sample, once = [], []
+    for seed in range(args.models):
+        model = create_model(config, seed=seed).eval()
+        with torch.no_grad():
+            labels = model(images).argmax(dim=1)
+        small = timed_certify(model, images[: args.small], labels[: args.small], guarantee,
+                              device)
+        large = timed_certify(model, images, labels, guarantee, device)
+        sample = max(large - small, 0.0) / (args.large - args.small)
+        per_sample.append(sample)
+        once.append(max(small - args.small * sample, 0.0))
+    return {"tokens": tokens, "image_size": size, "patch_size": patch, "guarantee": guarantee,
+            "ms_per_sample": 1e3 * sum(per_sample) / len(per_sample),
+            "once_per_model_s": sum(once) / len(once)}
+
+
+def growth_exponent(rows: list[dict]) -> float | None:
+    """Least-squares slope of log(ms a sample) on log(tokens); None below two shapes."""
+    points = [(math.log(r["tokens"]), math.log(r["ms_per_sample"])) for r in rows
+              if r["ms_per_sample"] > 0]
+    if len(points) < 2:
+        return None
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="4,16,64",
+                        help=f"patch token counts, from {sorted(SHAPES)}")
+    parser.add_argument("--guarantees", default="exact,probabilistic")
+    parser.add_argument("--models", type=int, default=2)
+    parser.add_argument("--small", type=int, default=4)
+    parser.add_argument("--large", type=int, default=12)
+    parser.add_argument("--position-bias", action="store_true",
+                        help="models with position biases (the shipped models' kind)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", default="bench_tokens.json")
+    args = parser.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if any(t not in SHAPES for t in tokens):
+        parser.error(f"--tokens takes counts from {sorted(SHAPES)}")
+    if not 1 <= args.small < args.large or args.models < 1:
+        parser.error("need --models >= 1 and 1 <= --small < --large")
+    device = resolve_device(args.device)
+    guarantees = args.guarantees.split(",")
+    rows = []
+    print("| tokens | image, patch | guarantee | ms a sample | s once per model |")
+    print("| --- | --- | --- | --- | --- |")
+    for t in tokens:
+        for guarantee in guarantees:
+            row = measure(t, guarantee, args, device)
+            rows.append(row)
+            print(f"| {t} | {row['image_size']}, {row['patch_size']} | {guarantee} | "
+                  f"{row['ms_per_sample']:.1f} | {row['once_per_model_s']:.2f} |", flush=True)
+    exponents = {g: growth_exponent([r for r in rows if r["guarantee"] == g])
+                 for g in guarantees}
+    for g, e in exponents.items():
+        if e is not None:
+            print(f"{g}: ms a sample grows as tokens^{e:.2f}")
+    device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                   else platform.processor() or platform.machine())
+    with open(args.out, "w") as f:
+        json.dump({"device": device_name, "threads": torch.get_num_threads(),
+                   "models": args.models, "small": args.small, "large": args.large,
+                   "position_bias": args.position_bias, "rows": rows,
+                   "growth_exponent": exponents}, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
