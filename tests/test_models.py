@@ -508,8 +508,34 @@ def test_an_eval_model_computes_its_exact_caps_once_until_a_weight_changes(monke
         model.double()
         model(x.double())
         assert len(exact) > count
-    assert model.stages[0]._kept is not None
+    assert "capped" in model.stages[0]._kept_values
     model.train()
     with torch.no_grad():
         model(x.double())  # training mode: estimated caps, never the kept exact ones
     assert not all(exact[count:])
+
+
+def test_an_eval_model_keeps_its_sll_rescaling_until_a_weight_changes(monkeypatch):
+    """The SLL layers' t (a k x k Gram matrix of W each) is kept like the caps: computed on the
+    first eval-mode pass without gradients, again after a weight changes, never in training."""
+    from lofast.models import layers
+
+    model = create_model(preset("tiny", num_classes=4), seed=0).eval()
+    x = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    calls = []
+    original = layers.SLL._rescaling_now
+    monkeypatch.setattr(layers.SLL, "_rescaling_now",
+                        lambda self: calls.append(self) or original(self))
+    sll = [s for s in model.stages if isinstance(s, layers.SLL)]
+    with torch.no_grad():
+        first = model(x)
+        assert len(calls) == len(sll)
+        assert torch.equal(model(x), first) and len(calls) == len(sll)
+        sll[0].weight[:, 0].mul_(0.5)  # in place, one unit's weights: t changes with it
+        assert not torch.equal(model(x), first) and len(calls) == len(sll) + 1
+    model(x).sum().backward()  # gradients recorded: computed afresh, differentiable
+    assert len(calls) == 2 * len(sll) + 1 and sll[0].weight.grad is not None
+    model.train()
+    with torch.no_grad():
+        model(x)
+    assert len(calls) == 3 * len(sll) + 1

@@ -114,19 +114,36 @@ def _spec_tensor(t: Tensor, differentiable: bool) -> Tensor:
     return t if differentiable else _frozen(t)
 
 
-class HoldsCappedWeights:
+class KeepsWhileFrozen:
+    """A module's derived quantities (capped weights, SLL rescaling) kept while its tensors
+    cannot change: a module in eval mode that records no gradient for its parameters
+    (inference, ``torch.no_grad``, parameters that do not require one) computes each once and
+    keeps it until a parameter or buffer changes (in place, replaced, or moved). A loaded model
+    pays its SVDs and Gram matrices on the first forward pass only."""
+
+    def _kept(self, name: str, compute):
+        """compute(), or its value kept from an earlier call while the tensors are unchanged."""
+        if self.training:
+            return compute()
+        tensors = [*self.parameters(), *self.buffers()]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return compute()
+        # every in-place change bumps a tensor's version; a new tensor has a new address
+        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+        kept = self.__dict__.setdefault("_kept_values", {})
+        if name not in kept or kept[name][0] != key:
+            kept[name] = (key, compute())
+        return kept[name][1]
+
+
+class HoldsCappedWeights(KeepsWhileFrozen):
     """For stages whose effective weights cost an SVD each (``_capped``): hold them once and
     reuse them until released. The raw weights must not change or move meanwhile.
     ``capped_weights``: the raw weights under a cap and their caps, by name; ``_capped`` may
     be given their training estimates capped (name -> weight), taken with other stages'.
-
-    Without a hold, a module in eval mode that records no gradient for its weights (inference,
-    ``torch.no_grad``, weights that do not require one) computes its exact caps once and keeps
-    them until a weight or buffer changes (in place, replaced, or moved): a loaded model pays
-    its SVDs on the first forward pass only."""
+    Without a hold, eval mode keeps them while the weights are unchanged (``KeepsWhileFrozen``)."""
 
     held = None
-    _kept = None  # (version key, capped weights) of the eval-mode cache
 
     def hold_effective_weights(self, hold: bool,
                                given: Mapping[str, Tensor] | None = None) -> None:
@@ -136,16 +153,7 @@ class HoldsCappedWeights:
         """The effective weights now: held, kept (above), or computed afresh."""
         if self.held is not None:
             return self.held
-        if self.training:
-            return self._capped()
-        tensors = [*self.parameters(), *self.buffers()]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return self._capped()
-        # every in-place change bumps a tensor's version; a new tensor has a new address
-        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
-        if self._kept is None or self._kept[0] != key:
-            self._kept = (key, self._capped())
-        return self._kept[1]
+        return self._kept("capped", self._capped)
 
 
 class PatchEmbed(HoldsCappedWeights, nn.Module):
@@ -345,7 +353,7 @@ class Attention(HoldsCappedWeights, nn.Module):
         return AttentionSpec(**w, residual=True, scale=self.scale)
 
 
-class SLL(nn.Module):
+class SLL(KeepsWhileFrozen, nn.Module):
     """SDP-based Lipschitz residual layer (Araujo et al., 2023), applied to every token.
 
     x -> x - 2 W diag(1/t) relu(W^T x + b) with t_i = sum_j |W^T W|_ij q_j / q_i: diag(t)
@@ -363,10 +371,14 @@ class SLL(nn.Module):
     held_rescaling = None
 
     def rescaling(self) -> Tensor:
-        """t (k,), computed in the weight's dtype: the held one while held. The k x k Gram
-        matrix W^T W costs more than the layer itself on a batch of 16 (width 256, k 1024)."""
+        """t (k,), computed in the weight's dtype: the held one while held, else kept while the
+        weights cannot change (``KeepsWhileFrozen``). The k x k Gram matrix W^T W costs more
+        than the layer itself on a batch of 16 (width 256, k 1024)."""
         if self.held_rescaling is not None:
             return self.held_rescaling
+        return self._kept("rescaling", self._rescaling_now)
+
+    def _rescaling_now(self) -> Tensor:
         q = torch.exp(self.log_q)
         gram = (self.weight.T @ self.weight).abs()
         return (gram * q[None, :] / q[:, None]).sum(dim=1) * (1.0 + SLL_SAFETY)
