@@ -122,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="only report tables that differ from the registry (exit 1)")
     args = parser.parse_args(argv)
+    missing = [name for name in TABLES if not (REPOSITORY / name).is_file()]
+    if missing:  # an installed wheel carries the registry, not the repository's documents
+        print(f"lofast.model_card: {REPOSITORY} is not a lofast checkout (no "
+              f"{', '.join(missing)}); run it from the repository", file=sys.stderr)
+        return 2
     stale = stale_files(write=not args.check)
     for relative in stale:
         print(f"{relative}: {'differs from' if args.check else 'rewritten from'} the registry")

@@ -109,6 +109,14 @@ def test_the_tables_of_readme_and_model_card_are_the_registry_figures(tmp_path):
     assert model_card.stale_files(tmp_path) == list(model_card.TABLES)
 
 
+def test_the_table_writer_outside_a_checkout_is_one_clear_error(tmp_path, monkeypatch, capsys):
+    from lofast import model_card
+
+    monkeypatch.setattr(model_card, "REPOSITORY", tmp_path)  # as in an installed wheel
+    assert model_card.main(["--check"]) == 2
+    assert "not a lofast checkout" in capsys.readouterr().err
+
+
 def test_api_gives_the_cli_records(one_thread, tmp_path):
     """lofast.certify with no settings but the model is `lofast certify` with no options but
     --checkpoint, sample by sample (the smallest shipped model: each call proves its
