@@ -539,3 +539,22 @@ def test_an_eval_model_keeps_its_sll_rescaling_until_a_weight_changes(monkeypatc
     with torch.no_grad():
         model(x)
     assert len(calls) == 3 * len(sll) + 1
+
+
+def test_a_frozen_copy_keeps_its_held_weights_through_a_reusing_block(monkeypatch):
+    """An attack's ``reusing_effective_weights`` inside a ``frozen_float64`` copy reuses the
+    copy's held weights: no SVD, and nothing released when the block ends."""
+    from lofast.models import layers
+
+    model = create_model(preset("tiny", num_classes=4), seed=0).eval()
+    frozen = model.frozen_float64("cpu")
+    x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    held = [stage.held for stage in frozen.stages if isinstance(stage, layers.HoldsCappedWeights)]
+    assert held and all(h is not None for h in held)
+    calls = []
+    monkeypatch.setattr(layers, "spectral_norm", lambda *a, **k: calls.append(a))
+    with frozen.reusing_effective_weights():
+        frozen(x).sum()
+    assert calls == []
+    after = [stage.held for stage in frozen.stages if isinstance(stage, layers.HoldsCappedWeights)]
+    assert all(a is b for a, b in zip(after, held))

@@ -215,7 +215,8 @@ def test_a_certificate_beyond_a_counterexample_stops_the_run(trained):
     certified = next(r for r in records if r.radius > 0)
     certified.radius *= 100  # a certificate no sound bound gives
     with pytest.raises(CertificationError, match="unsound"):
-        run_attack(model, x[:4], records, [0.05], AttackSettings(steps=20, restarts=1))
+        run_attack(model.frozen_float64("cpu"), x[:4], records, [0.05],
+                   AttackSettings(steps=20, restarts=1))
 
 
 def test_save_adversarial_needs_attack(checkpoint, data_dir, tmp_path):

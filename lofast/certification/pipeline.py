@@ -29,6 +29,7 @@ from lofast.errors import CertificationError, ConfigError, LofastError
 if TYPE_CHECKING:
     from lofast.bab import BabSettings
     from lofast.certification.attention_report import AttentionReport
+    from lofast.models.vit import LipschitzViT
 
 # progress(phase, done, total): called after every sample a fallback verifier finishes
 Progress = Callable[[str, int, int], None]
@@ -108,6 +109,8 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
         order = order[shard[0]::shard[1]]
     if config.attack is not None and config.attack.save_dir is not None:
         check_writable(config.attack.save_dir / f"{run_name(run)}.npz")  # before any work
+    # the attack's float64 copy, once per run (its effective weights held: no SVD per batch)
+    attacked = model.frozen_float64("cpu") if config.attack is not None else None
     writer = RecordWriter(out, config.resume, config.eps, run)
     todo = [int(i) for i in order if int(i) not in writer.done]
     # a file resumed with a smaller --n holds records outside this run's samples: not counted
@@ -126,7 +129,7 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
                 run_fallback(model, x, batch, config.eps, config.fallback,
                              config.fallback_timeout, progress.phase)
             if config.attack is not None:
-                run_attack(model, x, batch, config.eps, config.attack)
+                run_attack(attacked, x, batch, config.eps, config.attack)
             writer.write(batch)
             records.extend(batch)
             progress.samples(len(records), len(order), 1e3 * per_sample)
@@ -235,11 +238,12 @@ def run_fallback(model: nn.Module, images: Tensor, records: Sequence[SampleRecor
                 progress(f"{method} at eps={key}", done + 1, len(todo))
 
 
-def run_attack(model: nn.Module, images: Tensor, records: Sequence[SampleRecord],
+def run_attack(model: LipschitzViT, images: Tensor, records: Sequence[SampleRecord],
                eps: Sequence[float], settings: AttackSettings) -> None:
     """Measure how far each sample's certificate is from the nearest counterexample found, and
     mark each open sample falsified at each eps where one is found (images (B, C, H, W) in
-    [0, 1] in the records' order; the model in float64, the caller's keeps its precision):
+    [0, 1] in the records' order; model: the float64 copy to attack,
+    ``LipschitzViT.frozen_float64``, made once for all batches):
 
     - every correctly classified sample, certified or not, gets the minimum-norm attack
       (``attack.minimum_norm_attack``); a misclassified sample is its own counterexample
@@ -252,8 +256,9 @@ def run_attack(model: nn.Module, images: Tensor, records: Sequence[SampleRecord]
     radius raises CertificationError (the certificate would be broken)."""
     from lofast.certification.attack import minimum_norm_attack, pgd_attack
 
-    x = images.double()
-    model64 = model.frozen_float64(x.device)
+    if next(model.parameters()).dtype != torch.float64:
+        raise ValueError("run_attack takes a float64 model (LipschitzViT.frozen_float64)")
+    x = images.to(next(model.parameters()).device, torch.float64)
     found: dict[int, tuple[Tensor, int]] = {}  # sample -> (perturbation, adversarial class)
     correct = [b for b, r in enumerate(records) if r.prediction == r.label]
     for b, r in enumerate(records):
@@ -261,7 +266,7 @@ def run_attack(model: nn.Module, images: Tensor, records: Sequence[SampleRecord]
             found[b] = (torch.zeros_like(x[b]), r.prediction)
     if correct:
         labels = torch.tensor([records[b].label for b in correct])
-        nearest = minimum_norm_attack(model64, x[correct], labels, steps=settings.steps,
+        nearest = minimum_norm_attack(model, x[correct], labels, steps=settings.steps,
                                       box=settings.box)
         for i, b in enumerate(correct):
             if nearest.found[i]:
@@ -275,7 +280,7 @@ def run_attack(model: nn.Module, images: Tensor, records: Sequence[SampleRecord]
                 if not r.results[e].certified and not size(b) <= e]
         if todo:
             labels = torch.tensor([records[b].label for b in todo])
-            result = pgd_attack(model64, x[todo], labels, e, steps=settings.steps,
+            result = pgd_attack(model, x[todo], labels, e, steps=settings.steps,
                                 restarts=settings.restarts, seed=settings.seed, box=settings.box)
             for i, b in enumerate(todo):
                 if result.found[i] and float(result.norm[i]) < size(b):

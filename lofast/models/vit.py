@@ -58,7 +58,7 @@ class LipschitzViT(nn.Module):
         stages.append(Pool(c.pool, c.num_tokens))
         stages.append(NormalizedHead(c.width, c.num_classes))
         self.stages = nn.ModuleList(stages)
-        self._reusing = False  # inside reusing_effective_weights
+        self._held = False  # hold_effective_weights(True) in force
 
     def forward(self, x: Tensor, fixed_attention: Mapping[int, Tensor] | None = None) -> Tensor:
         """Logits (B, num_classes). ``fixed_attention`` maps attention stage indices to
@@ -96,17 +96,16 @@ class LipschitzViT(nn.Module):
         effective weights (an SVD each in eval mode, a norm estimate in training mode) once and
         reuse them, for a training step that evaluates them more than once (forward pass,
         training bound, attention reward). The weights must not change inside.
-        Re-entrant: an inner block reuses the outer block's weights and releases nothing."""
-        if self._reusing:
+        Re-entrant: inside an outer block, or in a model whose weights are held already (a
+        ``frozen_float64`` copy), it reuses those weights and releases nothing."""
+        if self._held:
             yield
             return
-        self._reusing = True
         self.hold_effective_weights(True)
         try:
             yield
         finally:
             self.hold_effective_weights(False)
-            self._reusing = False
 
     def frozen_float64(self, device: torch.device | str) -> LipschitzViT:
         """A private float64 copy on ``device``, in eval mode, for a certifier, an attack or a
@@ -127,6 +126,7 @@ class LipschitzViT(nn.Module):
         for stage in self.stages:
             if isinstance(stage, SLL):
                 stage.hold_rescaling(hold)
+        self._held = hold
 
     def structure(self, differentiable: bool = False) -> list[StageSpec]:
         """The specs of all stages, in forward order: detached float64 copies of the effective
