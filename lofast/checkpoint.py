@@ -218,32 +218,41 @@ def shipped_path(name: str) -> Path:
     return path
 
 
+def _resolve(name_or_path: str | os.PathLike | None) -> tuple[Path, tuple[str, str] | None]:
+    """(file, (name, registered SHA-256) of a shipped model or None) for a path, the name of a
+    shipped model (an existing file of that name is the path), or None (the default)."""
+    registry = read_registry()
+    name = registry["default"] if name_or_path is None else name_or_path
+    if isinstance(name, str) and name in registry["models"] and not Path(name).exists():
+        entry = registry["models"][name]
+        return SHIPPED_DIR / entry["file"], (name, entry["sha256"])
+    return Path(name_or_path), None
+
+
+def _no_default(error: CheckpointError) -> CheckpointError:
+    return CheckpointError(f"no --checkpoint given and no usable shipped default: {error}")
+
+
 def checkpoint_path(name_or_path: str | os.PathLike | None) -> Path:
-    """A checkpoint by path, or by the name of a shipped model; the default when None."""
+    """A checkpoint by path, or by the name of a shipped model (its file checked against the
+    registered SHA-256); the default when None."""
     if name_or_path is None:
         return default_checkpoint_path()
-    if isinstance(name_or_path, str) and name_or_path in read_registry()["models"] \
-            and not Path(name_or_path).exists():
-        return shipped_path(name_or_path)
-    return Path(name_or_path)
+    path, shipped = _resolve(name_or_path)
+    return shipped_path(shipped[0]) if shipped else path
 
 
 def open_checkpoint(name_or_path: str | os.PathLike | None,
                     device: str | torch.device = "cpu") -> Checkpoint:
     """``read_checkpoint`` of a path, or of a shipped model by name (its registered SHA-256
     checked on the same bytes); the shipped default when None."""
-    registry = read_registry()
-    name = registry["default"] if name_or_path is None else name_or_path
-    if isinstance(name, str) and name in registry["models"] and not Path(name).exists():
-        entry = registry["models"][name]
-        try:
-            return read_checkpoint(SHIPPED_DIR / entry["file"], device, (name, entry["sha256"]))
-        except CheckpointError as e:
-            if name_or_path is None:
-                raise CheckpointError(f"no --checkpoint given and no usable shipped default: "
-                                      f"{e}") from None
-            raise
-    return read_checkpoint(Path(name_or_path), device)
+    path, shipped = _resolve(name_or_path)
+    try:
+        return read_checkpoint(path, device, shipped)
+    except CheckpointError as e:
+        if name_or_path is None:
+            raise _no_default(e) from None
+        raise
 
 
 def file_digest(path: str | os.PathLike) -> str:
@@ -260,5 +269,4 @@ def default_checkpoint_path() -> Path:
     try:
         return shipped_path(read_registry()["default"])
     except CheckpointError as e:
-        raise CheckpointError(f"no --checkpoint given and no usable shipped default: {e}") \
-            from None
+        raise _no_default(e) from None
