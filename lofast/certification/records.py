@@ -108,26 +108,31 @@ class SampleRecord:
         without the run settings (the file's header holds them) and with
         ``certified_radius``; in schema 1 (files written before the header) with its run
         settings."""
-        items = [(eps_key(e), r) for e, r in self.results.items()]
-
-        def where(name: str, present=lambda v: v is not None) -> dict[str, Any]:
-            return {k: getattr(r, name) for k, r in items if present(getattr(r, name))}
-
+        per_eps = {name: {eps_key(e): getattr(r, field) for e, r in self.results.items()
+                          if name in ALWAYS_WRITTEN or getattr(r, field) is not None}
+                   for name, field in PER_EPS_FIELDS.items()}
         values = {
             "index": self.index, "label": self.label, "prediction": self.prediction,
-            "margin": self.margin, "radius": self.radius,
-            "verdicts": {k: r.certified for k, r in items},
-            "bounds": {k: r.bound for k, r in items},
-            "verifiers": {k: r.verifier for k, r in items},
-            "reasons": where("reason"), "rule": self.rule, "seconds": self.seconds,
-            "fallback_seconds": where("fallback_seconds"), "run": self.run,
-            "falsified": where("falsified"), "counterexamples": where("counterexample"),
-            "fallback": where("fallback"), "adversarial_radius": self.adversarial_radius,
+            "margin": self.margin, "radius": self.radius, "verdicts": per_eps["verdicts"],
+            "bounds": per_eps["bounds"], "verifiers": per_eps["verifiers"],
+            "reasons": per_eps["reasons"], "rule": self.rule, "seconds": self.seconds,
+            "fallback_seconds": per_eps["fallback_seconds"], "run": self.run,
+            "falsified": per_eps["falsified"], "counterexamples": per_eps["counterexamples"],
+            "fallback": per_eps["fallback"], "adversarial_radius": self.adversarial_radius,
         }
         if schema >= 2:
             del values["run"]
             values["certified_radius"] = self.certified_radius
         return json.dumps(values, allow_nan=False)
+
+
+# A file's per-eps dicts (keyed by eps_key) -> the EpsResult field each holds. The first three
+# hold every eps; the others only the eps where the value exists.
+PER_EPS_FIELDS = {"verdicts": "certified", "bounds": "bound", "verifiers": "verifier",
+                  "reasons": "reason", "fallback_seconds": "fallback_seconds",
+                  "falsified": "falsified", "counterexamples": "counterexample",
+                  "fallback": "fallback"}
+ALWAYS_WRITTEN = ("verdicts", "bounds", "verifiers")
 
 
 # Every record line starts so (``to_json``'s field order), a header line with HEADER_START: a final
@@ -264,19 +269,12 @@ def record_from_json(values: Any) -> SampleRecord:
         raise ValueError("index, label, radius and seconds must be >= 0")
     per_eps = {name: values.pop(name, {}) for name in PER_EPS_FIELDS}
     values["results"] = {
-        float(k): EpsResult(certified=certified, verifier=per_eps["verifiers"].get(k),
-                            bound=per_eps["bounds"].get(k), reason=per_eps["reasons"].get(k),
-                            fallback=per_eps["fallback"].get(k),
-                            fallback_seconds=per_eps["fallback_seconds"].get(k),
-                            falsified=per_eps["falsified"].get(k),
-                            counterexample=per_eps["counterexamples"].get(k))
-        for k, certified in per_eps["verdicts"].items()}
+        float(k): EpsResult(**{field: per_eps[name].get(k)
+                               for name, field in PER_EPS_FIELDS.items()})
+        for k in per_eps["verdicts"]}
     return SampleRecord(**values)
 
 
-# The file's per-eps dicts (keyed by eps_key), gathered into EpsResult when read.
-PER_EPS_FIELDS = ("verdicts", "bounds", "verifiers", "reasons", "fallback_seconds", "falsified",
-                  "counterexamples", "fallback")
 
 
 def _is_eps_key(key: str) -> bool:
