@@ -77,7 +77,8 @@ def main() -> None:
                         help="checkpoint(s) (default: every .safetensors in checkpoints/)")
     parser.add_argument("--guarantee", default="exact")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--work", default="runs/model-card", help="JSONL, markdown and JSON go here")
+    parser.add_argument("--work", default="runs/model-card",
+                        help="JSONL, markdown and JSON go here")
     parser.add_argument("--update-registry", action="store_true",
                         help="write the figures into checkpoints/registry.json and regenerate "
                              "the README's and the model card's tables (full test set only)")

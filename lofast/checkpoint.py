@@ -134,7 +134,8 @@ def _model(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -
     if missing or unexpected:
         raise CheckpointError(
             f"{path}: weights do not match the config "
-            f"(missing: {', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'})"
+            f"(missing: {', '.join(missing[:3]) or '-'}; "
+            f"unexpected: {', '.join(unexpected[:3]) or '-'})"
         )
     for key, value in tensors.items():
         if value.shape != expected[key].shape:

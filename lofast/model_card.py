@@ -17,11 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lofast.certification.records import eps_key
 from lofast.checkpoint import list_models, read_registry
 
-# The model card's eps columns: (heading, eps_key of the registry's figures).
-EPS_COLUMNS = (("0.02", "0.02"), ("0.05", "0.05"), ("0.1", "0.1"),
-               ("36/255", repr(36 / 255)))
+# The model card's eps columns: (heading, the registry's figures' key, an ``eps_key``).
+EPS_COLUMNS = tuple((heading, eps_key(eps)) for heading, eps in
+                    (("0.02", 0.02), ("0.05", 0.05), ("0.1", 0.1), ("36/255", 36 / 255)))
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 

@@ -175,8 +175,9 @@ def _loose_rows(bounds: NormBounds) -> Tensor:
 
 
 class NearReference(NormStrategy):
-    """zeta <= ||T_R|| + sum_l ||P_l - R_l|| ||B_l|| (``first_order.near_reference_first_order_bound``:
-    T_X - T_R = sum_l (P_l - R_l) (x) B_l^T), with ||T_R|| the spec's verified reference norm."""
+    """zeta <= ||T_R|| + sum_l ||P_l - R_l|| ||B_l||
+    (``first_order.near_reference_first_order_bound``: T_X - T_R = sum_l (P_l - R_l) (x) B_l^T),
+    with ||T_R|| the spec's verified reference norm."""
 
     def applies(self, block):
         return block.lofast
@@ -372,13 +373,14 @@ class NaiveFirstOrder(NormStrategy):
 
     def bound(self, block, bounds, rows):
         identity_norm = 1.0 if block.w.residual else 0.0
-        return Candidate(rows, zeta=identity_norm + (block.value_weight_norm
-                                                     * matrix_norm_upper(block.probs[rows])).sum(dim=1))
+        mixing = block.value_weight_norm * matrix_norm_upper(block.probs[rows])  # (rows, h)
+        return Candidate(rows, zeta=identity_norm + mixing.sum(dim=1))
 
 
 # cheapest first: the refining strategies read the looseness the cheap ones leave
 STRATEGIES: tuple[NormStrategy, ...] = (
-    NaiveFirstOrder(), NearReference(), CoordinateFirstOrder(), HeadDeviation(), CentredSoftmax(), LoosenessTest(),
+    NaiveFirstOrder(), NearReference(), CoordinateFirstOrder(), HeadDeviation(), CentredSoftmax(),
+    LoosenessTest(),
     DeflatedReference(large=False), DeflatedReference(large=True), MethodFirstOrder(),
     MethodSoftmax(), CoordinateJacobian(),
 )

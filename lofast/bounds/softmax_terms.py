@@ -207,7 +207,8 @@ def softmax_first_order_matrix(probs: Tensor, through_keys: Tensor, through_quer
 
     probs (B, h, n, n); through_keys K_l and through_queries U_l (B, h, m, n); right (B, h, n, k).
     Row i of J_l(E) R_l (R_l = right_l) is sum_j p_ij E_ij (R_l[j] - (P_l R_l)[i]), so with
-    M_l[i, j, a] = p_ij (R_l[j, a] - (P_l R_l)[i, a]) / s and E_ij = g_i . K_l[:, j] + g_j . U_l[:, i]:
+    M_l[i, j, a] = p_ij (R_l[j, a] - (P_l R_l)[i, a]) / s and
+    E_ij = g_i . K_l[:, j] + g_j . U_l[:, i]:
         d Z[i, a] / d G[i', c] = [i = i'] sum_{l, j} K_l[c, j] M_l[i, j, a]
                                  + sum_l M_l[i, i', a] U_l[c, i].
     Each entry is a sum of at most h (n + 2) products of the data, as in one matrix-free
