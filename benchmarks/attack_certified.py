@@ -4,10 +4,11 @@ attack has teeth). Prints the counts and writes JSON; exits 1 if a certified sam
 
     python benchmarks/attack_certified.py [--checkpoint CKPT] [--data PATH] [--n 200]
         [--guarantee exact] [--steps 100] [--restarts 3] [--beyond 3] [--out attack_certified.json]
-        [--live-attention K [--seed 0]]
+        [--live-attention K [--seed 0] [--spread R]]
 
 --live-attention K attacks the checkpoint with attention switched on as in
-``bench_certify.py --live-attention K`` (``live_attention.py``).
+``bench_certify.py --live-attention K`` (``live_attention.py``); --spread R gives Wq and Wk
+singular values spread by the ratio R in place of orthonormal columns.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import argparse
 import json
 import sys
 
-from live_attention import with_live_attention  # beside this script
+from live_attention import score_spectra, with_live_attention  # beside this script
 
 from lofast.certification.attack import pgd_l2
 from lofast.certification.certificate import Certifier, CertifySettings
@@ -41,12 +42,14 @@ def main() -> None:
     parser.add_argument("--live-attention", type=float, default=None, metavar="K",
                         help="switch attention on: ||A_l|| / s = K in every block")
     parser.add_argument("--seed", type=int, default=0, help="seed of --live-attention")
+    parser.add_argument("--spread", type=float, default=1.0,
+                        help="--live-attention with Wq, Wk singular values spread by this ratio")
     args = parser.parse_args()
 
     checkpoint = args.checkpoint or default_checkpoint_path()
     model = load_checkpoint(checkpoint)
     if args.live_attention is not None:
-        model = with_live_attention(model, args.live_attention, args.seed)
+        model = with_live_attention(model, args.live_attention, args.seed, args.spread)
     model = model.double().eval()
     data = load_dataset(args.data, "test") if args.data else load_bundled_sample()
     x, y = data.subset(class_balanced_order(data.labels)[: args.n]).to_tensors()
@@ -59,6 +62,8 @@ def main() -> None:
     outside = pgd_l2(model, xs, ys, args.beyond * rs, steps=args.steps, restarts=args.restarts)
     report = {"checkpoint": str(checkpoint), "live_attention": args.live_attention,
               "seed": args.seed if args.live_attention is not None else None,
+              "spread": args.spread if args.live_attention is not None else None,
+              "score_spectra": score_spectra(model),
               "guarantee": args.guarantee, "images": len(y),
               "certified": int(chosen.sum()),
               "mean_radius_of_certified": rs.mean().item() if len(rs) else 0.0,

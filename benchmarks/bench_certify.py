@@ -5,7 +5,7 @@ zeta, the delta_2 terms and bookkeeping. Prints a table and writes JSON.
         [--guarantee probabilistic|exact|exact-dense|estimate] [--batch-sizes 16,64,256]
         [--n 256] [--device auto] [--out bench_certify.json]
     python benchmarks/bench_certify.py --live-attention K [--seed 0] [--n 20] [--batch-sizes 16]
-        [--checkpoint CKPT] [--guarantee exact] [--out bench_certify.json]
+        [--spread R] [--checkpoint CKPT] [--guarantee exact] [--out bench_certify.json]
 
 --live-attention K switches attention on without retraining (``live_attention.py``: every
 block's Wq, Wk replaced by seeded random orthogonal matrices scaled to ||A_l|| / s = K) and
@@ -116,12 +116,14 @@ def main() -> None:
     parser.add_argument("--live-attention", type=float, default=None, metavar="K",
                         help="switch attention on: ||A_l|| / s = K in every block")
     parser.add_argument("--seed", type=int, default=0, help="seed of --live-attention")
+    parser.add_argument("--spread", type=float, default=1.0,
+                        help="--live-attention with Wq, Wk singular values spread by this ratio")
     args = parser.parse_args()
 
     device = resolve_device(args.device)
     model = load_checkpoint(args.checkpoint or default_checkpoint_path())
     if args.live_attention is not None:
-        model = with_live_attention(model, args.live_attention, args.seed)
+        model = with_live_attention(model, args.live_attention, args.seed, args.spread)
     data = load_bundled_sample()
     x, y = data.subset(class_balanced_order(data.labels)[: args.n]).to_tensors()
     settings = CertifySettings(method=SpectralMethod(kind=KINDS[args.guarantee]))
@@ -132,7 +134,8 @@ def main() -> None:
     rows = []
     if args.live_attention is not None:
         batch = int(args.batch_sizes.split(",")[0])
-        row = {"live_attention": args.live_attention, "seed": args.seed, "n": len(x),
+        row = {"live_attention": args.live_attention, "seed": args.seed, "spread": args.spread,
+               "n": len(x),
                "batch_size": batch, "setup_seconds": setup,
                **live_summary(certifier, x, y, batch)}
         rows.append(row)
