@@ -293,6 +293,13 @@ def test_verified_gram_norm_reads_only_the_lower_triangle():
         assert verified._cholesky_passes(candidate).all()
         assert torch.equal(candidate.isnan(), upper.expand_as(candidate))
         assert torch.equal(candidate.nan_to_num(), before.nan_to_num())
+    # a Fortran-ordered matrix given a batch dimension by indexing (strides (N, 1, N)), as the
+    # deflation's complement is: the same verdict, its input left alone
+    single = S_garbage[0].mT.contiguous().mT[None]
+    before = single.clone()
+    assert verified._cholesky_passes(single).all()
+    assert torch.equal(single.nan_to_num(), before.nan_to_num())
+    assert not verified._cholesky_passes(-gram[0].mT.contiguous().mT[None]).any()
     assert (torch.linalg.cholesky_ex(-gram).info > 0).all()  # and a failure is reported
     failing = -gram.mT.contiguous().mT
     assert not verified._cholesky_passes(failing).any() and torch.equal(failing, -gram)
