@@ -85,6 +85,24 @@ def test_the_complement_reads_only_the_lower_triangle_in_either_memory_order():
     assert stored.isnan().sum() == 60 * 59 // 2  # read, not written
 
 
+@pytest.mark.parametrize("size", [3, 8, 61, 700])
+def test_symmetric_frobenius_bound_reads_the_lower_triangle_in_blocks(size):
+    """The bound on ||S||_F behind the complement's rounding term (above DENSE_SIZE): at least
+    ||S||_F and at most sqrt(2) times it, from the lower triangle alone, in either memory order,
+    for sizes below, at and not divisible by the number of blocks."""
+    g = torch.Generator().manual_seed(size)
+    lower = torch.tril(torch.randn(size, size, generator=g, dtype=F64))
+    S = lower + torch.tril(lower, -1).mT
+    exact = float(torch.linalg.vector_norm(S))
+    upper = torch.triu(torch.ones(size, size, dtype=torch.bool), diagonal=1)
+    for stored in (S.clone(), S.mT.contiguous().mT):
+        stored[upper] = math.nan
+        bound = deflation_module._symmetric_frobenius_upper(stored)
+        assert exact <= bound <= math.sqrt(2.0) * exact * (1 + 1e-9)
+        assert bound == pytest.approx(math.sqrt(2.0) * float(torch.linalg.vector_norm(lower)),
+                                      rel=1e-9)
+
+
 @pytest.mark.parametrize("kind", ["random", "top", "coupling", "complement-up", "complement-top"])
 @pytest.mark.parametrize("size", [0.0, 1e-4, 1e-2, 0.3, 2.0])
 def test_bound_dominates_the_norm(kind, size):

@@ -167,10 +167,13 @@ def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = No
     shift = math.ldexp(1.0, math.frexp(max(2.0 * top * tokens * (1.0 + 1e-6), 2.0 ** -500))[1])
     # lower triangle: -(S - g V V^T), rounded. Either triangle of the computed V V^T holds
     # rounded values of its entries (within the same bound), so a Fortran-ordered negated is
-    # added to the product's transpose: both then read in the same memory order
-    product = shift * (basis @ basis.mT)
-    deflated = ((negated.mT + product).mT if negated.mT.is_contiguous()
-                else negated + product)
+    # added to the product's transpose: both then read in the same memory order. One addmm
+    # forms it in a single pass: g is a power of two, so g fl(V V^T) is exact however the
+    # product is scaled, and the sum is rounded once
+    if negated.mT.is_contiguous():
+        deflated = torch.addmm(negated.mT, basis, basis.mT, alpha=shift).mT
+    else:
+        deflated = torch.addmm(negated, basis, basis.mT, alpha=shift)
     error = (gram_error + shift * gamma(count) * frobenius ** 2
              + UNIT_ROUNDOFF * (s_frobenius + shift * (1.0 + gamma(count)) * frobenius ** 2)
              + size * size * SUBNORMAL) * (1.0 + 2.0 ** -30)
@@ -273,16 +276,25 @@ def deflated_norm_bound(Y: Tensor, Z: Tensor, deflation: Deflation, deviation: T
     return upper, ritz
 
 
-def _symmetric_frobenius_upper(negated: Tensor) -> float:
+def _symmetric_frobenius_upper(negated: Tensor, blocks: int = 8) -> float:
     """An upper bound on ||S||_F for the symmetric S of the lower triangle of negated (N, N):
     sqrt(2) times the Frobenius norm of that triangle (with the diagonal), its rounding
-    included. The triangle is read in negated's memory order: a Fortran-ordered matrix's lower
-    triangle is the upper triangle of its row-major transpose."""
+    included. The triangle is read in ``blocks`` column blocks of views, the part below each
+    diagonal block whole and the diagonal block's lower triangle, so no copy of the matrix is
+    made (a Fortran-ordered matrix's columns are contiguous). The sum of squares of the
+    blocks' float64 norms is inflated by gamma_(N^2 + blocks) for all the rounding."""
     size = negated.shape[0]
-    rows = negated.mT
-    triangle = torch.triu(rows) if rows.is_contiguous() else torch.tril(negated)
-    return (math.sqrt(2.0) * float(torch.linalg.vector_norm(triangle))
-            * (1.0 + gamma(size * size)) * (1.0 + 2.0 ** -40))
+    squares = negated.new_zeros(())
+    edges = [size * i // blocks for i in range(blocks + 1)]
+    for first, last in zip(edges[:-1], edges[1:]):
+        if last == first:
+            continue
+        diagonal = torch.tril(negated[first:last, first:last])
+        squares = squares + torch.linalg.vector_norm(diagonal).square()
+        if last < size:
+            squares = squares + torch.linalg.vector_norm(negated[last:, first:last]).square()
+    return (math.sqrt(2.0 * float(squares)) * (1.0 + gamma(size * size + blocks))
+            * (1.0 + 2.0 ** -40))
 
 
 def _symmetric(A: Tensor) -> Tensor:
