@@ -49,7 +49,10 @@ def main() -> None:
     checkpoint = args.checkpoint or default_checkpoint_path()
     model = load_checkpoint(checkpoint)
     if args.live_attention is not None:
-        model = with_live_attention(model, args.live_attention, args.seed, args.spread)
+        try:
+            model = with_live_attention(model, args.live_attention, args.seed, args.spread)
+        except ValueError as error:
+            parser.error(str(error))
     model = model.double().eval()
     data = load_dataset(args.data, "test") if args.data else load_bundled_sample()
     x, y = data.subset(class_balanced_order(data.labels)[: args.n]).to_tensors()

@@ -123,7 +123,10 @@ def main() -> None:
     device = resolve_device(args.device)
     model = load_checkpoint(args.checkpoint or default_checkpoint_path())
     if args.live_attention is not None:
-        model = with_live_attention(model, args.live_attention, args.seed, args.spread)
+        try:
+            model = with_live_attention(model, args.live_attention, args.seed, args.spread)
+        except ValueError as error:
+            parser.error(str(error))
     data = load_bundled_sample()
     x, y = data.subset(class_balanced_order(data.labels)[: args.n]).to_tensors()
     settings = CertifySettings(method=SpectralMethod(kind=KINDS[args.guarantee]))
