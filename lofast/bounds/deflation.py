@@ -28,6 +28,7 @@ for any g >= 0 (V^T w = 0), which ``deflate_gram`` proves once by Cholesky.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -286,7 +287,7 @@ def _symmetric_frobenius_upper(negated: Tensor, blocks: int = 8) -> float:
     size = negated.shape[0]
     squares = negated.new_zeros(())
     edges = [size * i // blocks for i in range(blocks + 1)]
-    for first, last in zip(edges[:-1], edges[1:]):
+    for first, last in itertools.pairwise(edges):
         if last == first:
             continue
         diagonal = torch.tril(negated[first:last, first:last])
