@@ -47,6 +47,28 @@ def trained_with_coordinate_values():
 
 
 @pytest.fixture(scope="module")
+def with_strong_spread_attention(trained_with_position_bias):
+    """The biased model with every head's Wq_l, Wk_l replaced by random weights whose singular
+    values spread by a ratio of 100, rescaled to ||A_l|| / s = 4 (the benchmarks'
+    ``live_attention.with_live_attention``); labelled by its own predictions, which strong
+    random scores change."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "live_attention.py"
+    spec = importlib.util.spec_from_file_location("live_attention", path)
+    live_attention = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(live_attention)
+    model, x, _ = trained_with_position_bias
+    live = live_attention.with_live_attention(model, 4.0, seed=0, spread=100.0)
+    spectra = live_attention.score_spectra(live)
+    assert all(abs(row["strength_max"] - 4.0) < 1e-6 and abs(row["strength_min"] - 4.0) < 1e-6
+               and row["spread_max"] > 5.0 for row in spectra)
+    with torch.no_grad():
+        return live, x, live(x).argmax(dim=1)
+
+
+@pytest.fixture(scope="module")
 def certificate(trained):
     model, x, y = trained
     return Certifier(model, CertifySettings()).certify(x, y)
@@ -63,12 +85,14 @@ def test_model_learned_and_some_samples_certify(trained, certificate):
 @pytest.mark.parametrize("kind, model_name", [("lanczos", "trained"), ("verified", "trained"),
                                                ("verified", "trained_with_position_bias"),
                                                ("verified", "trained_with_live_attention"),
-                                               ("verified", "trained_with_coordinate_values")])
+                                               ("verified", "trained_with_coordinate_values"),
+                                               ("verified", "with_strong_spread_attention")])
 def test_certified_samples_survive_pgd(kind, model_name, request):
     """Attack every sample just inside its certified radius: that ball contains the ball of
     every eps it is certified at, so one strong attack there checks all its verdicts. Both
     certificate-grade methods: randomized Lanczos and the Cholesky-verified default of the CLI;
-    and models whose attention has position biases, and input-dependent scores."""
+    and models whose attention has position biases, and input-dependent scores (up to
+    ||A_l|| / s = 4 with spread singular values)."""
     model, x, y = request.getfixturevalue(model_name)
     certificate = Certifier(model, CertifySettings(method=SpectralMethod(kind=kind))).certify(x, y)
     radius = certificate.radius()
