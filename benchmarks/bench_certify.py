@@ -141,9 +141,7 @@ def main() -> None:
     if args.live_attention is not None:
         batch = int(args.batch_sizes.split(",")[0])
         row = {"live_attention": args.live_attention, "seed": args.seed, "spread": args.spread,
-               "n": len(x),
-               "batch_size": batch,
-               **live_summary(certifier, x, y, batch)}
+               "n": len(x), "batch_size": batch, **live_summary(certifier, x, y, batch)}
         rows.append(row)
         print(f"live attention K={args.live_attention:g} (seed {args.seed}), {len(x)} images, "
               f"batch {batch}: {row['ms_per_sample']:.1f} ms/sample, mean radius "
