@@ -1,11 +1,11 @@
 """Certification time against the token count, per guarantee, with the growth exponent.
 
     python benchmarks/bench_tokens.py [--tokens 4,16,64] [--guarantees exact,probabilistic]
-        [--models 2] [--small 4] [--large 12] [--position-bias] [--device auto]
+        [--models 2] [--depth 3] [--small 4] [--large 12] [--position-bias] [--device auto]
         [--out bench_tokens.json]
 
-The models are fresh Lipschitz ViTs of width 128, depth 3 and 8 heads, with live attention as
-initialised. They cut 4 / 16 / 64 patch tokens from 32 x 32 images (patch 16 / 8 / 4), and 256
+The models are fresh Lipschitz ViTs of width 128, depth --depth and 8 heads, with live attention
+as initialised. They cut 4 / 16 / 64 patch tokens from 32 x 32 images (patch 16 / 8 / 4), and 256
 from 64 x 64 images (patch 4); pass --tokens 4,16,64,256 for the last (minutes on a CPU). For
 each shape, guarantee and model (seeds 0, 1, ...), two new Certifiers certify the first --small
 and the first --large of a fixed set of random images (uniform pixels, labels the model's own
@@ -15,7 +15,8 @@ predictions):
 - once per model (the per-model proofs): the small run's time less --small per-sample times.
 
 The growth exponent is the least-squares slope of log(ms a sample) on log(tokens) over the
-shapes run. Prints a table and writes JSON; radii are not compared (``bench_certify.py``).
+shapes run. On a GPU each row also gives the peak device memory of its runs (PyTorch's
+allocator). Prints a table and writes JSON; radii are not compared (``bench_certify.py``).
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ def measure(tokens: int, guarantee: str, args: argparse.Namespace,
             device: torch.device) -> dict:
     """Per-sample milliseconds and once-per-model seconds, averaged over --models models."""
     size, patch = SHAPES[tokens]
-    config = ModelConfig(image_size=size, patch_size=patch, width=128, depth=3, heads=8,
+    config = ModelConfig(image_size=size, patch_size=patch, width=128, depth=args.depth, heads=8,
                          position_bias=args.position_bias)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     generator = torch.Generator().manual_seed(0)
     images = torch.rand(args.large, 3, size, size, generator=generator)
     per_sample, once = [], []
@@ -68,9 +71,10 @@ def measure(tokens: int, guarantee: str, args: argparse.Namespace,
         sample = max(large - small, 0.0) / (args.large - args.small)
         per_sample.append(sample)
         once.append(max(small - args.small * sample, 0.0))
+    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
     return {"tokens": tokens, "image_size": size, "patch_size": patch, "guarantee": guarantee,
             "ms_per_sample": 1e3 * sum(per_sample) / len(per_sample),
-            "once_per_model_s": sum(once) / len(once)}
+            "once_per_model_s": sum(once) / len(once), "peak_gib": peak}
 
 
 def growth_exponent(rows: list[dict]) -> float | None:
@@ -91,6 +95,7 @@ def main() -> None:
                         help=f"patch token counts, from {sorted(SHAPES)}")
     parser.add_argument("--guarantees", default="exact,probabilistic")
     parser.add_argument("--models", type=int, default=2)
+    parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--small", type=int, default=4)
     parser.add_argument("--large", type=int, default=12)
     parser.add_argument("--position-bias", action="store_true",
@@ -101,19 +106,21 @@ def main() -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     if any(t not in SHAPES for t in tokens):
         parser.error(f"--tokens takes counts from {sorted(SHAPES)}")
-    if not 1 <= args.small < args.large or args.models < 1:
-        parser.error("need --models >= 1 and 1 <= --small < --large")
+    if not 1 <= args.small < args.large or args.models < 1 or args.depth < 1:
+        parser.error("need --models >= 1, --depth >= 1 and 1 <= --small < --large")
     device = resolve_device(args.device)
     guarantees = args.guarantees.split(",")
     rows = []
-    print("| tokens | image, patch | guarantee | ms a sample | s once per model |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| tokens | image, patch | guarantee | ms a sample | s once per model | peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for t in tokens:
         for guarantee in guarantees:
             row = measure(t, guarantee, args, device)
             rows.append(row)
             print(f"| {t} | {row['image_size']}, {row['patch_size']} | {guarantee} | "
-                  f"{row['ms_per_sample']:.1f} | {row['once_per_model_s']:.2f} |", flush=True)
+                  f"{row['ms_per_sample']:.1f} | {row['once_per_model_s']:.2f} | "
+                  + ("-" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}") + " |",
+                  flush=True)
     exponents = {g: growth_exponent([r for r in rows if r["guarantee"] == g])
                  for g in guarantees}
     for g, e in exponents.items():
@@ -123,7 +130,8 @@ def main() -> None:
                    else platform.processor() or platform.machine())
     with open(args.out, "w") as f:
         json.dump({"device": device_name, "threads": torch.get_num_threads(),
-                   "models": args.models, "small": args.small, "large": args.large,
+                   "models": args.models, "depth": args.depth, "small": args.small,
+                   "large": args.large,
                    "position_bias": args.position_bias, "rows": rows,
                    "growth_exponent": exponents}, f, indent=2)
     print(f"wrote {args.out}")

@@ -26,6 +26,11 @@
 #      `lofast train --compile`; Inductor's Triton build of the loss's backward failed on an
 #      H200 in modes default and reduce-overhead; COMPILE= skips it;
 #      OUT/bench_train_compiled.json);
+#      2c. with TOKENS (e.g. "64 256"), benchmarks/bench_tokens.py at those token counts:
+#      fresh width-128 models of depth TOKENS_DEPTH (default 6) with position biases, both
+#      guarantees, ms a sample, once-per-model seconds and peak device memory, within
+#      TOKENS_SECONDS (default 300; OUT/bench_tokens.json). The 64- and 256-token figures
+#      alone: `TOKENS="64 256" PASS_SECONDS=0 BENCH_BATCHES= COMPILE= bash ... DATA OUT`;
 #   3. lofast train with TRAIN_ARGS until PASS_SECONDS (default 520) after the start of the
 #      pass (none when less than a minute of it is left: PASS_SECONDS=0 gives the figures
 #      only), resumed from STATE when given (OUT/train.safetensors, and its .state.pt for the
@@ -46,8 +51,8 @@
 #
 # Each step runs whatever became of the one before; everything printed goes to OUT/log.txt.
 # Environment: DEVICE (default cuda), BENCH_BATCHES (set but empty: no step 1), BENCH_ARGS
-# (more options of bench_train.py), COMPILE, LIMIT (certify only the first LIMIT test images;
-# default all), PASS_SECONDS, TRAIN_ARGS, INIT, EPOCHS, PART_MIB (default 15). With DEVICE=cpu
+# (more options of bench_train.py), COMPILE, TOKENS, TOKENS_DEPTH, TOKENS_SECONDS, LIMIT
+# (certify only the first LIMIT test images; default all), PASS_SECONDS, TRAIN_ARGS, INIT, EPOCHS, PART_MIB (default 15). With DEVICE=cpu
 # and a small LIMIT and PASS_SECONDS it runs anywhere, which is how it is tested. Needs python3
 # with torch and lofast's dependencies; lofast itself is taken from this checkout.
 set -uo pipefail
@@ -114,6 +119,15 @@ if [ ${#compile_modes[@]} -gt 0 ]; then
         --power-iterations 1 --batch-size "${batches[0]:-1024}" ${BENCH_ARGS:-} \
         "${compile_options[@]}" \
         --out "$out/bench_train_compiled.json" || echo "bench_train --compile: exit $?"
+fi
+
+read -r -a token_counts <<< "${TOKENS-}"  # e.g. "64 256"; unset or empty: skipped
+if [ ${#token_counts[@]} -gt 0 ]; then
+    echo "== 2c. the certifier against the token count ($(elapsed) s)"
+    timeout "${TOKENS_SECONDS:-300}" python3 benchmarks/bench_tokens.py \
+        --tokens "$(IFS=,; echo "${token_counts[*]}")" --guarantees exact,probabilistic \
+        --position-bias --models 1 --depth "${TOKENS_DEPTH:-6}" --device "$device" \
+        --out "$out/bench_tokens.json" || echo "bench_tokens: exit $?"
 fi
 
 if [ "$pass_seconds" -le $(($(elapsed) + 60)) ]; then  # PASS_SECONDS=0: the figures only
