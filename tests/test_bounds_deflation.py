@@ -85,6 +85,25 @@ def test_the_complement_reads_only_the_lower_triangle_in_either_memory_order():
     assert stored.isnan().sum() == 60 * 59 // 2  # read, not written
 
 
+@pytest.mark.parametrize("size", [60, 700])
+def test_overwrite_forms_the_deflated_matrix_in_place_with_the_same_result(size):
+    """As the per-model deflations call it (at 256 tokens, a copy of an 8 GiB matrix saved):
+    with overwrite the Fortran-ordered -T^T T becomes the proof's workspace, and the
+    deflation is the one computed from an untouched copy, to the bit."""
+    T, _, _ = operator(size, [3.0, 2.9, 2.8, 2.5, 2.4, 2.2, 2.1, 2.0, 1.5, 1.4], seed=2)
+    gram, error = gram_with_error(T[None])
+    fortran = (-gram[0]).mT.contiguous().mT
+    kept = fortran.clone()
+    for_map = gram[0].clone()
+    plain = deflate_gram(kept, float(error[0]), lambda q: q @ for_map)
+    assert torch.equal(kept, fortran)  # not modified without overwrite
+    pointer = fortran.data_ptr()
+    overwritten = deflate_gram(fortran, float(error[0]), lambda q: q @ for_map, overwrite=True)
+    assert fortran.data_ptr() == pointer and not torch.equal(fortran, kept)
+    assert torch.equal(overwritten.basis, plain.basis)
+    assert torch.equal(overwritten.complement, plain.complement)
+
+
 @pytest.mark.parametrize("size", [3, 8, 61, 700])
 def test_symmetric_frobenius_bound_reads_the_lower_triangle_in_blocks(size):
     """The bound on ||S||_F behind the complement's rounding term (above DENSE_SIZE): at least

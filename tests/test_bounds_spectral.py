@@ -370,6 +370,23 @@ def test_gram_with_error_bounds_the_rounding():
     assert (error.numpy() <= 1e-11 * np.linalg.norm(M.numpy(), axis=(1, 2)) ** 2).all()
 
 
+@pytest.mark.parametrize("size, blocks", [(1, 8), (7, 8), (61, 8), (200, 3)])
+def test_mirror_lower_makes_the_symmetric_matrix_in_place(size, blocks):
+    """The proof's symmetrisation on accelerators (and before a Lanczos estimate): every entry
+    of the strict upper triangle becomes its mirror (NaN before), in either memory order, in
+    the tensor given, with block edges that do not divide the size."""
+    g = torch.Generator().manual_seed(size)
+    lower = torch.tril(torch.randn(3, size, size, generator=g, dtype=torch.float64))
+    expected = lower + torch.tril(lower, -1).mT
+    upper = torch.triu(torch.ones(size, size, dtype=torch.bool), diagonal=1)
+    for A in (lower.clone(), lower.mT.contiguous().mT):
+        A[:, upper] = float("nan")
+        pointer = A.data_ptr()
+        assert verified.mirror_lower_(A, blocks) is A
+        assert A.data_ptr() == pointer
+        assert torch.equal(A, expected)
+
+
 @pytest.mark.parametrize("rows, inner", [(5, 30), (16, 9), (67, 40), (40, 200)])
 def test_gram_by_lower_row_blocks_is_the_gram(rows, inner):
     # wide and tall matrices, below and above the blocked size: the mirrored lower triangle is

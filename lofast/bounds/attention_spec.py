@@ -199,7 +199,8 @@ class AttentionSpec(Stage):
             negated, error = first_order_negated_gram(reference[None], f)
             deflation = deflate_gram(negated[0], float(error[0]),
                                      first_order_gram(reference[None], f),
-                                     LARGE_DEFLATION if large else None, **lift)
+                                     LARGE_DEFLATION if large else None, overwrite=True,
+                                     **lift)
             self._deflations[tokens, large] = dataclasses.replace(
                 deflation, complement=deflation.complement * f.unit)
         return self._deflations[tokens, large]

@@ -90,7 +90,8 @@ class Deflation:
 
 
 def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = None,
-                 count: int | None = None, tokens: int = 1, rest: float = 0.0) -> Deflation:
+                 count: int | None = None, tokens: int = 1, rest: float = 0.0,
+                 overwrite: bool = False) -> Deflation:
     """Deflation of a reference T_R given its Gram matrix explicitly.
 
     With tokens = n > 1: the deflation of the uniform reference T_U(G) = H G + U G B
@@ -105,7 +106,9 @@ def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = No
 
     negated: (N, N) float64 whose lower triangle (with the diagonal) is that of -S, S symmetric
     with ||S - T_R^T T_R||_2 <= gram_error (the strict upper triangle may hold anything, NaN
-    included: it enters no result, and it is not modified). gram: optionally T_R^T T_R as a cheaper matrix-free map (1, N) -> (1, N) for the
+    included: it enters no result; negated is not modified unless ``overwrite``, which forms S'
+    in its place and saves a copy of the matrix). gram: optionally T_R^T T_R as a cheaper
+    matrix-free map (1, N) -> (1, N) for the
     Lanczos estimates (by default products with S; above N = DENSE_SIZE only). The basis holds
     estimates of the top eigenvectors (k from ``DEFLATION_SIZES``, or ``count``, at most N - 1;
     a dense eigensolver's up to N = DENSE_SIZE, Lanczos's above); only tightness depends on
@@ -171,10 +174,11 @@ def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = No
     # added to the product's transpose: both then read in the same memory order. One addmm
     # forms it in a single pass: g is a power of two, so g fl(V V^T) is exact however the
     # product is scaled, and the sum is rounded once
-    if negated.mT.is_contiguous():
-        deflated = torch.addmm(negated.mT, basis, basis.mT, alpha=shift).mT
-    else:
-        deflated = torch.addmm(negated, basis, basis.mT, alpha=shift)
+    target = negated.mT if negated.mT.is_contiguous() else negated
+    deflated = (target.addmm_(basis, basis.mT, alpha=shift) if overwrite
+                else torch.addmm(target, basis, basis.mT, alpha=shift))
+    if target is not negated:
+        deflated = deflated.mT
     error = (gram_error + shift * gamma(count) * frobenius ** 2
              + UNIT_ROUNDOFF * (s_frobenius + shift * (1.0 + gamma(count)) * frobenius ** 2)
              + size * size * SUBNORMAL) * (1.0 + 2.0 ** -30)
