@@ -223,8 +223,11 @@ def first_order_negated_gram(probs: Tensor, f: FirstOrderFactors,
     buffer = (torch.empty(batch, n * d, n * d, dtype=torch.float64, device=probs.device)
               if out is None else out)
     view = buffer.view(batch, n, d, n, d)
-    for k, (i, j) in enumerate(zip(rows.tolist(), cols.tolist())):
-        view[:, i, :, j, :] = blocks[:, k]
+    start = 0
+    for i in range(n):  # block row i: blocks (i, i..n-1), consecutive in triu_indices' order
+        stop = start + n - i
+        view[:, i, :, i:, :] = blocks[:, start:stop].transpose(1, 2)  # n copies, not n(n+1)/2
+        start = stop
     negated = buffer.mT
     dv, pairs = f.value.shape[2], len(f.left)
     if pairs * n * (2.0 * d * dv * dv + 2.0 ** (2 * WEIGHT_RANGE) + 1) > 2.0 ** 270:
