@@ -16,6 +16,7 @@ the registry's ``figures`` (``lofast.model_card``).
 """
 
 import json
+import re
 from dataclasses import asdict
 
 import pytest
@@ -105,7 +106,8 @@ def test_the_tables_of_readme_and_model_card_are_the_registry_figures(tmp_path):
         copy = tmp_path / relative
         copy.parent.mkdir(parents=True, exist_ok=True)
         text = (model_card.REPOSITORY / relative).read_text()
-        copy.write_text(text.replace("42.30 %", "42.31 %", 1))
+        figure = re.search(r"\| \**(\d+\.\d\d) %", text)  # the first accuracy of a table
+        copy.write_text(text.replace(figure[0], figure[0].replace(figure[1], "99.99"), 1))
     assert model_card.stale_files(tmp_path) == list(model_card.TABLES)
 
 
