@@ -108,11 +108,10 @@ def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = No
     with ||S - T_R^T T_R||_2 <= gram_error (the strict upper triangle may hold anything, NaN
     included: it enters no result; negated is not modified unless ``overwrite``, which forms S'
     in its place and saves a copy of the matrix). gram: optionally T_R^T T_R as a cheaper
-    matrix-free map (1, N) -> (1, N) for the
-    Lanczos estimates (by default products with S; above N = DENSE_SIZE only). The basis holds
-    estimates of the top eigenvectors (k from ``DEFLATION_SIZES``, or ``count``, at most N - 1;
-    a dense eigensolver's up to N = DENSE_SIZE, Lanczos's above); only tightness depends on
-    their accuracy.
+    matrix-free map (1, N) -> (1, N) for the Lanczos estimates (by default products with S;
+    above N = DENSE_SIZE only). The basis holds estimates of the top eigenvectors (k from
+    ``DEFLATION_SIZES``, or ``count``, at most N - 1; a dense eigensolver's up to N =
+    DENSE_SIZE, Lanczos's above); only tightness depends on their accuracy.
 
     complement: the square root of a Cholesky-verified upper bound
     (``spectral.verified_norm_from_negated_gram``) on lambda_max(S') with
