@@ -110,6 +110,50 @@ def test_certified_samples_survive_pgd(kind, model_name, request):
     assert broken.float().mean() > 0.5
 
 
+def test_the_jacobian_slack_trades_radius_for_proofs_and_stays_sound(
+        with_strong_spread_attention, monkeypatch):
+    """``--jacobian-slack``: at 0 every live sample gets the per-sample proofs, at 1 none does
+    (they are made to fail here), and the radii order accordingly, sample by sample; PGD breaks
+    none of the loosest certificates. (The model with Wq = Wk = I is no subject: the default
+    makes no per-sample proof there.)"""
+    from lofast.bounds import attention_norms
+
+    model, x, y = with_strong_spread_attention
+    default = Certifier(model, CertifySettings()).certify(x, y).radius()
+    tight = Certifier(model, CertifySettings(jacobian_slack=0.0)).certify(x, y).radius()
+
+    def unused(*args, **kwargs):
+        raise AssertionError("a per-sample proof was made")
+
+    monkeypatch.setattr(attention_norms, "verified_first_order_norm", unused)
+    monkeypatch.setattr(attention_norms, "softmax_first_order_norm", unused)
+    loose = Certifier(model, CertifySettings(jacobian_slack=1.0)).certify(x, y).radius()
+    monkeypatch.undo()
+    with pytest.raises(AssertionError, match="per-sample proof"):  # the default makes them
+        monkeypatch.setattr(attention_norms, "verified_first_order_norm", unused)
+        monkeypatch.setattr(attention_norms, "softmax_first_order_norm", unused)
+        Certifier(model, CertifySettings()).certify(x, y)
+    assert (loose <= default).all() and (default <= tight).all()
+    assert (loose < default).any() and (loose > 0).sum() >= 5
+    inside = loose > 0
+    broken = pgd_l2(copy.deepcopy(model).double(), x[inside].double(), y[inside],
+                    loose[inside] * 0.999, steps=50, restarts=3)
+    assert not broken.any(), "PGD broke a certified sample"
+
+
+def test_jacobian_slack_is_checked_and_named():
+    for bad in (float("nan"), -0.1, 1.5, True, "0.1"):
+        with pytest.raises(CertificationError, match="jacobian_slack"):
+            CertifySettings(jacobian_slack=bad)
+    with pytest.raises(CertificationError, match="differs"):
+        CertifySettings(method=SpectralMethod(kind="dense"), jacobian_slack=0.5)
+    assert CertifySettings().describe() == "lofast + softmax Jacobian"  # records as before
+    assert CertifySettings(jacobian_slack=0.01).describe() == "lofast + softmax Jacobian"
+    settings = CertifySettings(jacobian_slack=0.1, guarantee="probabilistic")
+    assert settings.method.jacobian_slack == 0.1 and settings.method.kind == "lanczos"
+    assert settings.describe() == "lofast + softmax Jacobian, Jacobian slack 0.1"
+
+
 @pytest.mark.parametrize("kind, model_name", [("lanczos", "trained"), ("verified", "trained"),
                                                ("verified", "trained_with_position_bias")])
 def test_feature_bound_exceeds_pgd_feature_deviation(kind, model_name, request):

@@ -126,6 +126,10 @@ BAD_INPUTS = {
     "a million attack restarts": (["certify", "--checkpoint", "{ckpt}", "--data", "{data}",
                                    "--eps", "0.1", "--attack", "--attack-restarts", "1000000"],
                                   "attack-restarts"),
+    "Jacobian slack nan": (["certify", "--checkpoint", "{ckpt}", "--data", "{data}", "--eps",
+                            "0.1", "--jacobian-slack", "nan"], "jacobian_slack"),
+    "Jacobian slack 2": (["certify", "--checkpoint", "{ckpt}", "--data", "{data}", "--eps",
+                          "0.1", "--jacobian-slack", "2"], "jacobian_slack"),
 }
 
 # A valid record, and the values that hostile files put in its place.

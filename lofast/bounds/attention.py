@@ -91,10 +91,10 @@ at most the head-structured deviation (a maximum over heads, not a sum) plus a c
 norm up to a term of second order in that deviation. The refinement's first-order coefficient is
 then the smaller of zeta + zeta_s and this bound (``AttentionSensitivity.jacobian``); the
 method's own norms of zeta and of D_X (Gram matrices, Lanczos) are computed only for samples
-where the bound is not within JACOBIAN_SLACK of its Rayleigh-Ritz estimate. When scores and
-values both act on the heads' own coordinates (``AttentionSpec.coordinate_attention``), the
-Jacobian's norm comes from one small operator per head and sample instead
-(``bounds.coordinate_jacobian``).
+where the bound is not within the method's ``jacobian_slack`` of its Rayleigh-Ritz estimate.
+When scores and values both act on the heads' own coordinates
+(``AttentionSpec.coordinate_attention``), the Jacobian's norm comes from one small operator per
+head and sample instead (``bounds.coordinate_jacobian``).
 
 All quantities are float64 and computed once per sample; ``AttentionSensitivity.delta`` then
 evaluates the bound for any radii.

@@ -41,7 +41,6 @@ from lofast.bounds.first_order import (
     within_slack,
 )
 from lofast.bounds.near_reference import (
-    JACOBIAN_SLACK,
     SOFTMAX_NEGLIGIBLE,
     JacobianData,
     deflated_first_order_bound,
@@ -262,8 +261,8 @@ class DeflatedReference(NormStrategy):
     refinement also zeta <= ||T_X + D_X|| + zeta_s. ``large``: the deflation of size
     LARGE_DEFLATION, only for samples the first left loose and only where it spares zeta the
     Gram matrix (not for a closed-form zeta). A sample stays loose where the bound is not within
-    JACOBIAN_SLACK (with the refinement) or the method's slack (without) of its Rayleigh-Ritz
-    estimate."""
+    the method's ``jacobian_slack`` (with the refinement) or its slack (without) of its
+    Rayleigh-Ritz estimate."""
 
     def __init__(self, large: bool) -> None:
         self.large = large
@@ -295,7 +294,7 @@ class DeflatedReference(NormStrategy):
             slack = 1.0 + block.method.relative_slack
             return Candidate(rows, zeta=zeta, loose=~bounds.settled[rows] & ~(zeta <= ritz * slack))
         return Candidate(rows, zeta=bound + softmax, jacobian=bound,
-                         loose=~(bound <= ritz * (1.0 + JACOBIAN_SLACK)))
+                         loose=~(bound <= ritz * (1.0 + block.method.jacobian_slack)))
 
 
 class MethodFirstOrder(NormStrategy):

@@ -57,13 +57,6 @@ from lofast.bounds.verified import gamma
 # fraction of zeta (below it, the refinement could change the bound by less than that fraction).
 SOFTMAX_NEGLIGIBLE = 1e-3
 
-# The verified and Lanczos methods keep the deflated bound on the Jacobian's norm
-# (``near_reference``) where it is within this relative slack of its Rayleigh-Ritz estimate, a
-# lower estimate of that norm, which is at most zeta + ||D_X||; elsewhere they compute both of
-# those with their own norms (Gram matrices, Lanczos).
-JACOBIAN_SLACK = 1e-2
-
-
 
 def head_deviation_bound(deviation: Tensor, value_weight_norm: Tensor,
                          stacked_norm: Tensor) -> Tensor:

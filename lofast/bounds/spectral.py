@@ -91,9 +91,22 @@ class LanczosPlan:
     eps: float
 
 
+# With input-dependent attention and the refined bound, a block's Jacobian T_X + D_X is first
+# bounded by deflation around its reference (``near_reference``); samples whose bound lies more
+# than this relative slack above its Rayleigh-Ritz estimate (a lower estimate of the norm) get
+# the method's own per-sample norms of zeta and ||D_X|| as well.
+JACOBIAN_SLACK = 1e-2
+
+
 @dataclass(frozen=True)
 class SpectralMethod:
-    """How matrix-free spectral norms are computed."""
+    """How matrix-free spectral norms are computed.
+
+    jacobian_slack: where the deflated bound on a live attention block's Jacobian lies within
+    this relative slack of its Rayleigh-Ritz estimate, it is kept and the method's own
+    per-sample norms (Gram matrices and Cholesky proofs for the exact guarantee) are skipped: a
+    larger slack is faster and the radii smaller, never less sound (every bound kept is an
+    upper bound with the method's guarantee)."""
 
     kind: str = "lanczos"  # "dense" | "lanczos" | "power" | "verified"
     failure_probability: float = 1e-9  # per norm, lanczos only
@@ -102,6 +115,7 @@ class SpectralMethod:
     relative_slack: float = 1e-3
     power_iterations: int = 100  # power only
     estimate_steps: int = 10  # verified only: Lanczos steps of the top-eigenvalue estimate
+    jacobian_slack: float = JACOBIAN_SLACK
 
     def __post_init__(self) -> None:
         if self.kind not in ("dense", "lanczos", "power", "verified"):
@@ -115,6 +129,8 @@ class SpectralMethod:
             raise ValueError("power_iterations must be at least 1")
         if self.estimate_steps < 1:
             raise ValueError("estimate_steps must be at least 1")
+        if not 0.0 <= self.jacobian_slack <= 1.0:  # NaN fails too
+            raise ValueError(f"jacobian_slack must lie in [0, 1], not {self.jacobian_slack!r}")
 
     @property
     def guarantee(self) -> Guarantee:

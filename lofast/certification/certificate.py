@@ -6,6 +6,7 @@ every bound are computed in float64 from the effective weights the model reports
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from lofast.bounds.attention import AttentionSensitivity, attention_sensitivity
 from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.compose import RadiusMap, certified_radius, head_certified, propagate
 from lofast.bounds.spectral import (
+    JACOBIAN_SLACK,
     Guarantee,
     SpectralMethod,
     matrix_norm_upper,
@@ -48,6 +50,9 @@ class CertifySettings:
 
     guarantee names what the norms are ("exact", "probabilistic" or "estimate") and picks the
     spectral method; a ``method`` given instead (e.g. dense norms in tests) sets the guarantee.
+    jacobian_slack: the method's (``spectral.SpectralMethod``), how far above its estimate the
+    cheap deflated bound on a live attention block's Jacobian may lie before per-sample proofs
+    are made; None keeps the method's (by default 0.01).
     """
 
     bound: Bound = CERTIFY_DEFAULTS.bound
@@ -57,6 +62,7 @@ class CertifySettings:
     local_projection: bool = CERTIFY_DEFAULTS.local_projection
     softmax_jacobian: bool = CERTIFY_DEFAULTS.softmax_jacobian
     seed: int = CERTIFY_DEFAULTS.seed
+    jacobian_slack: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bound", Bound.parse("bound", self.bound, CertificationError))
@@ -65,10 +71,20 @@ class CertifySettings:
         if self.guarantee is not None and self.guarantee not in GUARANTEES:
             raise CertificationError(f"unknown guarantee {self.guarantee!r}; choose from "
                                      f"{', '.join(GUARANTEES)}")
+        slack = self.jacobian_slack
+        if slack is not None and not (isinstance(slack, (int, float)) and not
+                                      isinstance(slack, bool) and 0.0 <= slack <= 1.0):
+            raise CertificationError(f"jacobian_slack must be a number in [0, 1], not {slack!r}")
         if self.method is None:  # frozen: fill in the derived fields once
             guarantee = self.guarantee or CERTIFY_DEFAULTS.guarantee
             object.__setattr__(self, "guarantee", guarantee)
-            object.__setattr__(self, "method", SpectralMethod(kind=GUARANTEES[guarantee]))
+            method = SpectralMethod(kind=GUARANTEES[guarantee])
+            if slack is not None:
+                method = dataclasses.replace(method, jacobian_slack=float(slack))
+            object.__setattr__(self, "method", method)
+        elif slack is not None and slack != self.method.jacobian_slack:
+            raise CertificationError(f"jacobian_slack {slack!r} differs from the given method's "
+                                     f"{self.method.jacobian_slack!r}")
         elif self.guarantee not in (None, guarantee_name(self.method)):
             raise CertificationError(f"a {self.method.kind} method gives the "
                                      f"{guarantee_name(self.method)} guarantee, not "
@@ -77,8 +93,12 @@ class CertifySettings:
             object.__setattr__(self, "guarantee", guarantee_name(self.method))
 
     def describe(self) -> str:
-        """The bound's name, as summaries report it."""
-        return f"{self.bound} + softmax Jacobian" if self.softmax_jacobian else self.bound
+        """The bound's name, as summaries report it (and records: a run resumes only with the
+        same), with a Jacobian slack other than the default."""
+        name = f"{self.bound} + softmax Jacobian" if self.softmax_jacobian else str(self.bound)
+        if self.method.jacobian_slack != JACOBIAN_SLACK:
+            name += f", Jacobian slack {self.method.jacobian_slack:g}"
+        return name
 
 
 @dataclass

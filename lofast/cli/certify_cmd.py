@@ -83,6 +83,11 @@ class Shard(click.ParamType):
               help="Also bound the softmax's first-order term by the norm of its exact Jacobian "
                    "operator (a second-order refinement; the certificate takes the better bound). "
                    "Costs a norm per sample where attention is not near uniform.")
+@click.option("--jacobian-slack", type=float, default=None,
+              help="With input-dependent attention: keep the cheap deflated bound on a block's "
+                   "Jacobian where it lies within this relative slack of its estimate, and skip "
+                   "the per-sample proofs there (default 0.01). Larger is faster, with smaller "
+                   "radii; as sound.")
 @click.option("--kappa", type=click.Choice([f"{k:g}" for k in KAPPAS]),
               default=f"{CERTIFY_DEFAULTS.kappa:g}", show_default=True,
               help="Softmax Lipschitz constant: 0.5 (tight) or 1 (the paper's).")
@@ -136,7 +141,7 @@ class Shard(click.ParamType):
               help="Certify with a checkpoint whose metadata names no classes, taking the "
                    "data's labels as they are (refused otherwise: they could mean anything).")
 def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size, device,
-            bound, softmax_jacobian, kappa, guarantee, fallback, fallback_timeout, attack,
+            bound, softmax_jacobian, jacobian_slack, kappa, guarantee, fallback, fallback_timeout, attack,
             attack_steps, attack_restarts, attack_box, save_adversarial, seed, out,
             resume, shard, as_json, attention_report, classes_unchecked) -> None:
     """Certify l2 robustness of every sample with the LoFAST bound."""
@@ -149,7 +154,8 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
     if save_adversarial is not None and not attack:
         raise ConfigError("--save-adversarial needs --attack")
     settings = CertifySettings(bound=bound, kappa=float(kappa), seed=seed,
-                               softmax_jacobian=softmax_jacobian, guarantee=guarantee)
+                               softmax_jacobian=softmax_jacobian, guarantee=guarantee,
+                               jacobian_slack=jacobian_slack)
     attack_settings = AttackSettings(steps=attack_steps, restarts=attack_restarts,
                                      box=attack_box, seed=seed, save_dir=save_adversarial)
     config = CertifyConfig(eps=eps_values, checkpoint=checkpoint, data=data_path,
