@@ -13,6 +13,7 @@ from lofast.bounds.estimate import (
     column_space_factors,
     top_singular_value,
     top_singular_value_estimate,
+    weight_factors,
 )
 from lofast.bounds.spectral import SpectralMethod
 from lofast.bounds.stages import radius_maps
@@ -209,6 +210,24 @@ def test_column_space_factors_keep_the_norms_of_products():
             torch.linalg.matrix_norm(weight @ other.mT, ord=2), rtol=1e-10)
     factors.sum().backward()
     assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in weights)
+
+
+def test_weight_factors_of_all_blocks_at_once_are_each_blocks_own():
+    """The training bound makes every block's weights-only factors in one batch (one QR, one
+    norm estimate): each block's are those it gets alone, with the norms ||A_l||, ||B_l||."""
+    model = create_model(preset("tiny", depth=3, position_bias=True), seed=1)
+    blocks = [s for s in model.structure(differentiable=True) if isinstance(s, AttentionSpec)]
+    assert len(blocks) == 3
+    for w, together in zip(blocks, weight_factors(blocks, torch.float64)):
+        alone = weight_factors([w], torch.float64)[0]
+        for name in ("query", "key", "value", "output", "score_weight_norm",
+                     "value_weight_norm"):
+            torch.testing.assert_close(getattr(together, name), getattr(alone, name),
+                                       rtol=1e-12, atol=1e-14)
+        exact = (torch.linalg.matrix_norm(w.score_matrices(), ord=2),
+                 torch.linalg.matrix_norm(w.value_matrices(), ord=2))
+        torch.testing.assert_close(together.score_weight_norm, exact[0], rtol=1e-4, atol=0)
+        torch.testing.assert_close(together.value_weight_norm, exact[1], rtol=1e-4, atol=0)
 
 
 @pytest.mark.parametrize("rows, cols", [(17, 16), (16, 17), (5, 5)])

@@ -19,6 +19,9 @@ values of capped, orthogonally initialised weights.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -92,10 +95,45 @@ def column_space_factors(*weights: Tensor) -> Tensor:
     return torch.linalg.qr(torch.stack(weights)).R
 
 
+@dataclass(frozen=True)
+class WeightFactors:
+    """The weights-only part of one block's estimate, differentiable: the (h, dh, dh) factors R
+    of the column spaces of Wq_l, Wk_l, Wv_l and Wo_l^T (``column_space_factors``) and the
+    estimates of ||A_l|| and ||B_l|| (h,) from them."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    output: Tensor
+    score_weight_norm: Tensor
+    value_weight_norm: Tensor
+
+
+def weight_factors(blocks: Sequence[AttentionSpec], dtype: torch.dtype) -> list[WeightFactors]:
+    """``WeightFactors`` of every block in ``dtype``, computed for all blocks of one shape
+    together (one QR, one norm estimate): a training step on a GPU waits for kernel launches,
+    and six blocks then cost the launches of one."""
+    groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+    for i, w in enumerate(blocks):
+        groups.setdefault((tuple(w.query.shape), tuple(w.value.shape)), []).append(i)
+    result: list[WeightFactors | None] = [None] * len(blocks)
+    for indices in groups.values():
+        r = column_space_factors(*(t.to(dtype) for i in indices for t in (
+            blocks[i].query, blocks[i].key, blocks[i].value, blocks[i].output.mT)))
+        r_query, r_key, r_value, r_output = r.unflatten(0, (len(indices), 4)).unbind(1)
+        norms = top_singular_value(torch.stack([r_query @ r_key.mT, r_value @ r_output.mT],
+                                               dim=1))  # ||A_l||, ||B_l||: (g, 2, h)
+        for j, i in enumerate(indices):
+            result[i] = WeightFactors(r_query[j], r_key[j], r_value[j], r_output[j],
+                                      norms[j, 0], norms[j, 1])
+    return result
+
+
 def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float = TIGHT_KAPPA,
                                    start: Tensor | None = None, iterations: int = 2,
                                    softmax_jacobian: bool = False,
                                    generator: torch.Generator | None = None,
+                                   factors: WeightFactors | None = None,
                                    ) -> tuple[AttentionSensitivity, Tensor]:
     """The quantities of the certifier's default bound ("lofast": zeta and the relaxed score term
     xi_l = ||A_l X^T|| + ||X A_l||) at tokens X (B, n, d), in X's dtype, with gradients with
@@ -106,7 +144,7 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
     start: (B, V, n, d) initial vectors of the power iterations, V = 2 with the refinement and 1
     without (e.g. the previous batch's; random when None or of another shape). Returns the
     sensitivity, marked ESTIMATE, and the final vectors (B, V, n, d), detached, to start the
-    next call from.
+    next call from. factors: the block's ``weight_factors`` in X's dtype, if made already.
     """
     query, key, value, output = (t.to(X.dtype) for t in (w.query, w.key, w.value, w.output))
     x_query, x_key, x_value = (torch.einsum("bnd,hde->bhne", X, weight)
@@ -136,11 +174,11 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
     # with each right factor replaced by the (dh, dh) factor of its column space (Wq_l = Q_q R_q,
     # and Wk_l, Wv_l, Wo_l^T alike): the per-sample Gram matrices come from (n, dh) products
     # instead of (n, d) ones
-    r_query, r_key, r_value, r_output = column_space_factors(query, key, value,
-                                                             output.mT).unbind(0)
-    x_score_t = x_key @ r_query.mT  # X A_l^T up to an isometry on the right (row norms kept)
-    x_score = x_query @ r_key.mT  # X A_l, likewise
-    x_value_factor = x_value @ r_output.mT  # X B_l, likewise
+    if factors is None:
+        factors = weight_factors([w], X.dtype)[0]
+    x_score_t = x_key @ factors.query.mT  # X A_l^T up to an isometry on the right (row norms kept)
+    x_score = x_query @ factors.key.mT  # X A_l, likewise
+    x_value_factor = x_value @ factors.output.mT  # X B_l, likewise
     # with C = I - 1 1^T / n the centred ones of the certifier (same isometries); the five
     # (B, h, n, dh) families in one batched estimate, one set of kernel launches
     (x_score_norm, score_t_norm, centered_score_t, value_norm,
@@ -148,8 +186,6 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
          x_score, x_score_t, centered_rows(x_score_t), x_value_factor,
          centered_rows(x_value_factor)])).unbind(0)  # each (B, h)
     score = score_t_norm + x_score_norm  # ||X A_l^T|| + ||X A_l||
-    score_weight_norm, value_weight_norm = top_singular_value(torch.stack([
-        r_query @ r_key.mT, r_value @ r_output.mT])).unbind(0)  # ||A_l||, ||B_l||, each (h,)
     softmax = None
     if softmax_jacobian:
         # as in the certifier: the cheap bound sum_l ||J_l|| m_l ||X B_l|| / s on ||D_X||, and
@@ -168,7 +204,8 @@ def attention_sensitivity_estimate(X: Tensor, w: AttentionSpec, *, kappa: float 
         vectors.append(softmax_vector)
     sensitivity = AttentionSensitivity(
         zeta=zeta, score_sensitivity=score, value_norm=value_norm,
-        score_weight_norm=score_weight_norm, value_weight_norm=value_weight_norm,
+        score_weight_norm=factors.score_weight_norm,
+        value_weight_norm=factors.value_weight_norm,
         scale=float(w.scale),
         kappa=float(kappa), guarantee=Guarantee.ESTIMATE, softmax_first_order=softmax,
         centered_value_norm=centered_value_norm,

@@ -17,7 +17,12 @@ from torch import Tensor
 
 from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.compose import RadiusMap, propagate
-from lofast.bounds.estimate import attention_sensitivity_estimate, top_singular_value
+from lofast.bounds.estimate import (
+    WeightFactors,
+    attention_sensitivity_estimate,
+    top_singular_value,
+    weight_factors,
+)
 from lofast.bounds.stages import radius_maps
 from lofast.errors import LofastError
 from lofast.models.vit import LipschitzViT
@@ -51,6 +56,7 @@ class TrainingBound:
         self.softmax_jacobian = softmax_jacobian
         self.generator = generator
         self.vectors: dict[int, Tensor] = {}
+        self.factors: dict[int, WeightFactors] = {}  # per call: the blocks' weights-only part
 
     def __call__(self, model: LipschitzViT, images: Tensor,
                  eps: float | Tensor) -> tuple[Tensor, Tensor]:
@@ -62,8 +68,13 @@ class TrainingBound:
             # float32 at least (autocast activations may be bfloat16); float64 models stay float64
             dtype = torch.promote_types(activations[0].dtype, torch.float32)
             with torch.autocast(images.device.type, enabled=False):
-                steps = radius_maps(model.structure(differentiable=True),
-                                    [act.to(dtype) for act in activations], self)
+                structure = model.structure(differentiable=True)
+                blocks = {k: s for k, s in enumerate(structure) if isinstance(s, AttentionSpec)}
+                self.factors = dict(zip(blocks, weight_factors(list(blocks.values()), dtype)))
+                try:
+                    steps = radius_maps(structure, [act.to(dtype) for act in activations], self)
+                finally:
+                    self.factors = {}
                 # eps may be a tensor (1,) on the device (a compiled step: a float would be
                 # a constant of its graph, compiled anew at every step of the radius ramp)
                 radius = (eps.to(dtype).repeat(images.shape[0], 1) if isinstance(eps, Tensor)
@@ -80,7 +91,8 @@ class TrainingBound:
             start = start.repeat(-(-tokens.shape[0] // start.shape[0]), 1, 1, 1)[:tokens.shape[0]]
         sensitivity, vectors = attention_sensitivity_estimate(
             tokens, spec, kappa=self.kappa, start=start, iterations=self.iterations,
-            softmax_jacobian=self.softmax_jacobian, generator=self.generator)
+            softmax_jacobian=self.softmax_jacobian, generator=self.generator,
+            factors=self.factors.get(index))
         self.vectors[index] = vectors[:self.WARM_STARTS].clone()  # not a view of the batch's
         return sensitivity
 
