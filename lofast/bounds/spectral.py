@@ -129,8 +129,10 @@ class SpectralMethod:
             raise ValueError("power_iterations must be at least 1")
         if self.estimate_steps < 1:
             raise ValueError("estimate_steps must be at least 1")
-        if not 0.0 <= self.jacobian_slack <= 1.0:  # NaN fails too
-            raise ValueError(f"jacobian_slack must lie in [0, 1], not {self.jacobian_slack!r}")
+        slack = self.jacobian_slack
+        if isinstance(slack, bool) or not isinstance(slack, (int, float)) \
+                or not 0.0 <= slack <= 1.0:  # NaN fails too
+            raise ValueError(f"jacobian_slack must be a number in [0, 1], not {slack!r}")
 
     @property
     def guarantee(self) -> Guarantee:

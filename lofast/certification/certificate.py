@@ -6,7 +6,6 @@ every bound are computed in float64 from the effective weights the model reports
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -72,15 +71,14 @@ class CertifySettings:
             raise CertificationError(f"unknown guarantee {self.guarantee!r}; choose from "
                                      f"{', '.join(GUARANTEES)}")
         slack = self.jacobian_slack
-        if slack is not None and not (isinstance(slack, (int, float)) and not
-                                      isinstance(slack, bool) and 0.0 <= slack <= 1.0):
-            raise CertificationError(f"jacobian_slack must be a number in [0, 1], not {slack!r}")
         if self.method is None:  # frozen: fill in the derived fields once
             guarantee = self.guarantee or CERTIFY_DEFAULTS.guarantee
             object.__setattr__(self, "guarantee", guarantee)
-            method = SpectralMethod(kind=GUARANTEES[guarantee])
-            if slack is not None:
-                method = dataclasses.replace(method, jacobian_slack=float(slack))
+            try:  # the method checks the slack (one check for the CLI and the API)
+                method = SpectralMethod(kind=GUARANTEES[guarantee], **(
+                    {} if slack is None else {"jacobian_slack": slack}))
+            except ValueError as error:
+                raise CertificationError(str(error)) from None
             object.__setattr__(self, "method", method)
         elif slack is not None and slack != self.method.jacobian_slack:
             raise CertificationError(f"jacobian_slack {slack!r} differs from the given method's "
