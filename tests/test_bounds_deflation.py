@@ -104,6 +104,40 @@ def test_overwrite_forms_the_deflated_matrix_in_place_with_the_same_result(size)
     assert torch.equal(overwritten.complement, plain.complement)
 
 
+@pytest.mark.parametrize("first_trial_fails", [False, True])
+def test_complement_proof_in_place_rebuilds_for_its_retries(first_trial_fails, monkeypatch):
+    """The complement's Cholesky proof factors S' in place when S' can be formed again: from
+    the kept matrix, or with overwrite from ``rebuild``; without one it factors a copy. A first
+    trial that fails (forced here, after it destroyed its matrix) is retried on S' formed
+    afresh: the three ways give the same complement, to the bit."""
+    from lofast.bounds import verified
+
+    factor = verified._cholesky_passes
+    calls = []
+
+    def first_fails(A, in_place=False):
+        calls.append(in_place)
+        passed = factor(A, in_place=in_place)
+        return passed & (len(calls) > 1 or not first_trial_fails)
+
+    T, _, _ = operator(60, [3.0, 2.9, 2.8, 2.5, 2.0, 1.5], seed=3)
+    gram, error = gram_with_error(T[None])
+
+    def negated():
+        return (-gram[0]).mT.contiguous().mT
+
+    results = {}
+    for way, kwargs in (("kept", {}), ("copy", {"overwrite": True}),
+                        ("rebuilt", {"overwrite": True, "rebuild": negated})):
+        calls.clear()
+        monkeypatch.setattr(verified, "_cholesky_passes", first_fails)
+        results[way] = deflate_gram(negated(), float(error[0]), **kwargs).complement
+        assert calls[0] == (way != "copy")  # in place unless S' cannot be formed again
+        assert len(calls) == (2 if first_trial_fails else 1)
+    assert results["kept"] == results["copy"] == results["rebuilt"]
+    assert math.isfinite(float(results["kept"]))
+
+
 @pytest.mark.parametrize("size", [3, 8, 61, 700])
 def test_symmetric_frobenius_bound_reads_the_lower_triangle_in_blocks(size):
     """The bound on ||S||_F behind the complement's rounding term (above DENSE_SIZE): at least

@@ -305,6 +305,53 @@ def test_verified_gram_norm_reads_only_the_lower_triangle():
     assert not verified._cholesky_passes(failing).any() and torch.equal(failing, -gram)
 
 
+def test_in_place_cholesky_factors_the_matrix_itself_or_a_copy():
+    g = torch.Generator().manual_seed(12)
+    A = torch.randn(3, 70, 60, generator=g, dtype=torch.float64)
+    gram, _ = verified.gram_with_error(A)
+    S = torch.eye(60, dtype=torch.float64) * 1e3 - gram
+    expected = torch.linalg.cholesky(S)
+    fortran = S.mT.contiguous().mT  # batched Fortran order: factored where it lies
+    assert verified._cholesky_passes(fortran, in_place=True).all()
+    assert torch.equal(torch.tril(fortran), expected)
+    single = S[1].mT.contiguous().mT[None]  # strides (N, 1, N): a lone matrix, also in place
+    assert verified._cholesky_passes(single, in_place=True).all()
+    assert torch.equal(torch.tril(single[0]), expected[1])
+    rows = S.clone()  # C order: LAPACK cannot factor it in place, so a copy is, as before
+    assert verified._cholesky_passes(rows, in_place=True).all() and torch.equal(rows, S)
+    failing = (-gram).mT.contiguous().mT
+    assert not verified._cholesky_passes(failing, in_place=True).any()
+
+
+@pytest.mark.parametrize("factor", [0.25, 1.0])
+def test_rebuild_factors_in_place_and_rebuilds_only_failed_samples(factor):
+    # with a rebuild the first trial destroys the matrices (no copy); samples whose trial fails
+    # (a too-low estimate) are rebuilt for the retries: bounds equal to the copying path's
+    M = degenerate_matrices()["plain"][1:]
+    exact = exact_norm(M)
+    gram, error = verified.gram_with_error(M)
+    estimate = exact.square() * torch.tensor([factor, 1.0, factor, 1.0], dtype=torch.float64)
+
+    def negated():
+        return (-gram).mT.contiguous().mT  # exactly symmetric, batched Fortran order
+
+    copying = verified.verified_norm_from_negated_gram(negated(), gram_error=error,
+                                                       estimate=estimate)
+    rebuilt = []
+
+    def rebuild(rows):
+        rebuilt.append(rows.tolist())
+        return negated()[rows]
+
+    consumed = negated()
+    bound = verified.verified_norm_from_negated_gram(consumed, gram_error=error,
+                                                     estimate=estimate, rebuild=rebuild)
+    assert torch.equal(bound, copying)
+    assert (bound >= exact).all() and (bound <= exact * (1 + 2 * SLACK)).all()
+    assert not torch.equal(consumed, negated())  # factored in place
+    assert rebuilt == ([] if factor == 1.0 else [[0, 2]])
+
+
 @pytest.mark.parametrize("factor", [0.0, 0.25, 0.99])
 def test_verified_retries_a_too_low_estimate(factor):
     M = degenerate_matrices()["plain"][1:]
@@ -320,7 +367,8 @@ def test_verified_doubling_when_every_estimate_is_wrong(monkeypatch):
     monkeypatch.setattr(verified, "_top_eigenvalue", lambda S: torch.zeros(S.shape[0]).to(S))
     calls = []
     passes = verified._cholesky_passes
-    monkeypatch.setattr(verified, "_cholesky_passes", lambda A: calls.append(1) or passes(A))
+    monkeypatch.setattr(verified, "_cholesky_passes",
+                        lambda A, **kw: calls.append(1) or passes(A, **kw))
     M = degenerate_matrices()["plain"][1:]
     exact = exact_norm(M)
     gram, error = verified.gram_with_error(M)

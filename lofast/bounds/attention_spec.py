@@ -197,10 +197,10 @@ class AttentionSpec(Stage):
                                        device=self.value.device)
                 lift = {"tokens": tokens, "rest": float(f.residual)}
             negated, error = first_order_negated_gram(reference[None], f)
-            deflation = deflate_gram(negated[0], float(error[0]),
-                                     first_order_gram(reference[None], f),
-                                     LARGE_DEFLATION if large else None, overwrite=True,
-                                     **lift)
+            deflation = deflate_gram(
+                negated[0], float(error[0]), first_order_gram(reference[None], f),
+                LARGE_DEFLATION if large else None, overwrite=True,
+                rebuild=lambda: first_order_negated_gram(reference[None], f)[0][0], **lift)
             self._deflations[tokens, large] = dataclasses.replace(
                 deflation, complement=deflation.complement * f.unit)
         return self._deflations[tokens, large]

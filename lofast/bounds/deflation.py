@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -91,7 +92,8 @@ class Deflation:
 
 def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = None,
                  count: int | None = None, tokens: int = 1, rest: float = 0.0,
-                 overwrite: bool = False) -> Deflation:
+                 overwrite: bool = False,
+                 rebuild: Callable[[], Tensor] | None = None) -> Deflation:
     """Deflation of a reference T_R given its Gram matrix explicitly.
 
     With tokens = n > 1: the deflation of the uniform reference T_U(G) = H G + U G B
@@ -107,7 +109,8 @@ def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = No
     negated: (N, N) float64 whose lower triangle (with the diagonal) is that of -S, S symmetric
     with ||S - T_R^T T_R||_2 <= gram_error (the strict upper triangle may hold anything, NaN
     included: it enters no result; negated is not modified unless ``overwrite``, which forms S'
-    in its place and saves a copy of the matrix). gram: optionally T_R^T T_R as a cheaper
+    in its place and saves a copy of the matrix; ``rebuild``, a function that makes negated
+    afresh, then lets the proof factor S' in place too). gram: optionally T_R^T T_R as a cheaper
     matrix-free map (1, N) -> (1, N) for the Lanczos estimates (by default products with S;
     above N = DENSE_SIZE only). The basis holds estimates of the top eigenvectors (k from
     ``DEFLATION_SIZES``, or ``count``, at most N - 1; a dense eigensolver's up to N =
@@ -173,11 +176,24 @@ def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = No
     # added to the product's transpose: both then read in the same memory order. One addmm
     # forms it in a single pass: g is a power of two, so g fl(V V^T) is exact however the
     # product is scaled, and the sum is rounded once
-    target = negated.mT if negated.mT.is_contiguous() else negated
-    deflated = (target.addmm_(basis, basis.mT, alpha=shift) if overwrite
-                else torch.addmm(target, basis, basis.mT, alpha=shift))
-    if target is not negated:
-        deflated = deflated.mT
+
+    def deflate(source: Tensor, in_place: bool) -> Tensor:
+        target = source.mT if source.mT.is_contiguous() else source
+        deflated = (target.addmm_(basis, basis.mT, alpha=shift) if in_place
+                    else torch.addmm(target, basis, basis.mT, alpha=shift))
+        return deflated.mT if target is not source else deflated
+
+    deflated = deflate(negated, overwrite)
+    # the proof factors S' in place when it can be formed again for a retry: from negated if
+    # that was kept, else from a rebuilt one
+    if not overwrite:
+        def again(rows: Tensor) -> Tensor:
+            return deflate(negated, False)[None]
+    elif rebuild is not None:
+        def again(rows: Tensor) -> Tensor:
+            return deflate(rebuild(), True)[None]
+    else:
+        again = None
     error = (gram_error + shift * gamma(count) * frobenius ** 2
              + UNIT_ROUNDOFF * (s_frobenius + shift * (1.0 + gamma(count)) * frobenius ** 2)
              + size * size * SUBNORMAL) * (1.0 + 2.0 ** -30)
@@ -196,7 +212,7 @@ def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = No
         complement = verified_norm_from_negated_gram(
             deflated[None], relative_slack=COMPLEMENT_SLACK,
             gram_error=torch.tensor([error], dtype=torch.float64, device=device),
-            estimate=estimate, lower_only=True)[0]
+            estimate=estimate, lower_only=True, rebuild=again)[0]
     except ValueError:  # no proof: a deflation that bounds nothing (every bound is then +inf)
         complement = torch.tensor(math.inf, dtype=torch.float64, device=device)
     if tokens > 1:  # the non-mean part of the complement: H, of norm <= rest

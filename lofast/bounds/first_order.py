@@ -130,7 +130,7 @@ class FirstOrderFactors:
     vec(G)).
     """
 
-    weights: Tensor  # (Q, d * d): -F_l F_m^T, one row per pair (left[q], right[q])
+    weights: Tensor  # (d, Q, d): [:, q, :] = -F_l F_m^T for the pair (left[q], right[q])
     left: Tensor  # (Q,) int64 l of each row
     right: Tensor  # (Q,) int64 m of each row
     value: Tensor  # (h, d, dv) Wv'
@@ -180,6 +180,9 @@ def first_order_factors(value: Tensor, output: Tensor, residual: bool) -> FirstO
         right += [torch.tensor([heads], device=device), everyone, res]
     abs_norms = (torch.linalg.vector_norm(wv, dim=(1, 2))
                  * torch.linalg.vector_norm(wo, dim=(1, 2)))  # || |Wv'| |Wo'| ||_2 <= product
+    # rows of each pair's matrix outermost: a block row of the Gram matrix is then one batched
+    # product written row by row (``first_order_negated_gram``)
+    weights = weights.view(count, d, d).permute(1, 0, 2).contiguous()
     return FirstOrderFactors(weights=weights, left=torch.cat(left), right=torch.cat(right),
                              value=wv, output=wo, residual=r, unit=unit, abs_norms=abs_norms,
                              direction=_top_direction(products, r))
@@ -195,9 +198,9 @@ def first_order_negated_gram(probs: Tensor, f: FirstOrderFactors,
     upper block triangle, its strict upper triangle is unset (the Cholesky factorisation and
     eigvalsh read only the lower triangle, and the Fortran order spares cholesky_ex a
     transposing copy). error bounds ||S - T'^T T'||_2 for the symmetric S of that lower
-    triangle (T' from ``FirstOrderFactors``). The blocks come from one GEMM
-    (B n(n+1)/2, Q) @ (Q, d^2) with rows (P_l^T P_m)[i, j] and columns F_l F_m^T (Q = L^2
-    pairs (l, m), L = h + residual). ``out``:
+    triangle (T' from ``FirstOrderFactors``). Block (i, j) is sum_q (P_l^T P_m)[i, j] F_l F_m^T over
+    the Q = L^2 pairs (l, m), L = h + residual: one batched product per block row, (B, n - i, Q)
+    coefficients against the (d, Q, d) weights. ``out``:
     optional (B, nd, nd) float64 contiguous workspace to fill (saves fresh memory per chunk).
 
     Rounding: every elementary term Wv Wo Wo Wv P P of an entry passes through at most
@@ -219,14 +222,15 @@ def first_order_negated_gram(probs: Tensor, f: FirstOrderFactors,
     products = (columns.mT @ columns).reshape(batch, count, n, count, n)
     rows, cols = torch.triu_indices(n, n, device=probs.device)  # upper blocks i <= j
     coefficients = products.permute(0, 2, 4, 1, 3)[:, rows, cols][..., f.left, f.right]
-    blocks = (coefficients.reshape(-1, len(f.left)) @ f.weights).reshape(batch, -1, d, d)
     buffer = (torch.empty(batch, n * d, n * d, dtype=torch.float64, device=probs.device)
               if out is None else out)
     view = buffer.view(batch, n, d, n, d)
     start = 0
     for i in range(n):  # block row i: blocks (i, i..n-1), consecutive in triu_indices' order
         stop = start + n - i
-        view[:, i, :, i:, :] = blocks[:, start:stop].transpose(1, 2)  # n copies, not n(n+1)/2
+        # (B, 1, n - i, Q) @ (d, Q, d) -> (B, d, n - i, d): row a of blocks (i, j) for every j,
+        # in the buffer's own order, so each row is one contiguous copy
+        view[:, i, :, i:, :] = coefficients[:, None, start:stop] @ f.weights
         start = stop
     negated = buffer.mT
     dv, pairs = f.value.shape[2], len(f.left)
@@ -279,7 +283,8 @@ def verified_first_order_norm(probs: Tensor, f: FirstOrderFactors, method: Spect
         negated, error = first_order_negated_gram(p[todo], f, workspace[: len(todo)])
         verified = verified_norm_from_negated_gram(
             negated, relative_slack=method.relative_slack, gram_error=error,
-            estimate=estimate, lower_only=True) * f.unit
+            estimate=estimate, lower_only=True,
+            rebuild=lambda rows, p=p[todo]: first_order_negated_gram(p[rows], f)[0]) * f.unit
         chunk[todo] = torch.minimum(chunk[todo], verified)
     return zeta
 
@@ -339,9 +344,9 @@ def verified_reference_norm(reference: Tensor, f: FirstOrderFactors) -> tuple[Te
     estimate, direction = lanczos_ritz_pair(first_order_gram(reference[None], f), start[None],
                                             min(REFERENCE_LANCZOS_STEPS, n * d))
     negated, error = first_order_negated_gram(reference[None], f)
-    verified = verified_norm_from_negated_gram(negated, relative_slack=REFERENCE_SLACK,
-                                               gram_error=error, estimate=estimate,
-                                               lower_only=True)
+    verified = verified_norm_from_negated_gram(
+        negated, relative_slack=REFERENCE_SLACK, gram_error=error, estimate=estimate,
+        lower_only=True, rebuild=lambda rows: first_order_negated_gram(reference[None], f)[0])
     return verified[0] * f.unit, direction[0]
 
 
