@@ -8,7 +8,7 @@ import torch
 
 from lofast.bounds import deflation as deflation_module
 from lofast.bounds.deflation import Deflation, deflate_gram, deflated_norm_bound
-from lofast.bounds.verified import gamma, gram_with_error
+from lofast.bounds.verified import GRAM_BLOCKS, gamma, gram_with_error
 
 F64 = torch.float64
 
@@ -102,6 +102,26 @@ def test_overwrite_forms_the_deflated_matrix_in_place_with_the_same_result(size)
     assert fortran.data_ptr() == pointer and not torch.equal(fortran, kept)
     assert torch.equal(overwritten.basis, plain.basis)
     assert torch.equal(overwritten.complement, plain.complement)
+
+
+@pytest.mark.parametrize("fortran", [True, False])
+def test_overwrite_writes_only_the_lower_triangle(fortran):
+    """The deflated matrix is formed in the triangle the proof reads, in row blocks: the other
+    triangle, often memory never written, keeps whatever it held (7.0 here) outside the
+    diagonal blocks, in either memory order."""
+    T, _, _ = operator(70, [3.0, 2.9, 2.8, 2.5, 2.0], seed=4)
+    gram, error = gram_with_error(T[None])
+    negated = (-gram[0]).mT.contiguous().mT if fortran else (-gram[0]).contiguous()
+    assert negated.mT.is_contiguous() == fortran
+    block = torch.tensor([70 * b // GRAM_BLOCKS for b in range(1, GRAM_BLOCKS + 1)])
+    block = torch.bucketize(torch.arange(70), block, right=True)  # each index's row block
+    upper = block[:, None] < block[None, :]  # above the diagonal blocks
+    negated[torch.triu(torch.ones(70, 70, dtype=torch.bool), diagonal=1)] = 7.0
+    reference = deflate_gram(-gram[0], float(error[0]), lambda q: q @ gram[0])
+    deflation = deflate_gram(negated, float(error[0]), lambda q: q @ gram[0], overwrite=True)
+    assert (negated[upper] == 7.0).all()
+    assert not torch.equal(torch.tril(negated), torch.tril(-gram[0]))  # formed in place
+    assert torch.equal(deflation.complement, reference.complement)
 
 
 @pytest.mark.parametrize("first_trial_fails", [False, True])
