@@ -26,13 +26,13 @@ from lofast.bounds.attention import (
 from lofast.bounds.first_order import first_order_maps
 from lofast.bounds.near_reference import (
     JacobianData,
-    cross_frobenius_upper,
     deflated_first_order_bound,
     head_deviation_bound,
     jacobian_adjoint,
     jacobian_apply,
     jacobian_rounding,
     softmax_first_order_bound,
+    weighted_deviation_norms,
 )
 from lofast.bounds.softmax_terms import score_factors, softmax_first_order_maps
 from lofast.bounds.spectral import matrix_norm_upper
@@ -179,33 +179,54 @@ def test_softmax_bound_dominates_the_autograd_norm(pattern, gain, biased, n, d, 
         assert (bound <= 1e-12).all()
 
 
+def deviation_matrices(probs, values):
+    """N_i (..., n, n, dv): rows p_ij (V_j - sum_k p_ik V_k), formed explicitly."""
+    mixed = probs @ values
+    return probs[..., None] * (values[..., None, :, :] - mixed[..., :, None, :])
+
+
 @pytest.mark.parametrize("route", ["gram", "direct", None])
-@pytest.mark.parametrize("n, a, b", [(6, 4, 3), (5, 12, 9), (65, 16, 16)])
-def test_cross_frobenius_bound_is_the_direct_norm_up_to_rounding(n, a, b, route):
+@pytest.mark.parametrize("n, dv, dh", [(6, 4, 3), (5, 12, 9), (65, 16, 16)])
+def test_weighted_deviation_norms_are_the_dense_norms_up_to_rounding(n, dv, dh, route):
     g = torch.Generator().manual_seed(31)
-    W = torch.randn(2, 3, n, a, generator=g, dtype=F64)
-    N = torch.randn(2, 3, 4, n, b, generator=g, dtype=F64) * torch.logspace(-3, 3, 4,
-                                                                            dtype=F64)[:, None, None]
-    direct = torch.linalg.vector_norm(W[:, :, None].mT @ N, dim=(-2, -1))
-    bound = cross_frobenius_upper(W, N, route)
-    assert bound.shape == (2, 3, 4)
-    assert (bound >= direct).all() and (bound <= direct * (1 + 1e-6)).all()
+    scale = torch.logspace(-3, 3, 4, dtype=F64)[:, None, None]  # 4 matrices, 6 decades apart
+    probs = torch.softmax(3.0 * torch.randn(4, n, n, generator=g, dtype=F64), dim=-1)
+    values = torch.randn(4, n, dv, generator=g, dtype=F64) * scale
+    keys = torch.randn(4, n, dh, generator=g, dtype=F64)
+    N = deviation_matrices(probs, values)
+    exact = torch.linalg.vector_norm(N, dim=(-2, -1))
+    crossed = torch.linalg.vector_norm(keys[..., None, :, :].mT @ N, dim=(-2, -1))
+    deviation, cross = weighted_deviation_norms(probs, values, keys, route)
+    assert deviation.shape == cross.shape == (4, n)
+    assert (deviation >= exact).all() and (deviation <= exact * (1 + 1e-6)).all()
+    assert (cross >= crossed).all() and (cross <= crossed * (1 + 1e-6)).all()
 
 
 @pytest.mark.parametrize("route", ["gram", "direct"])
-def test_cross_frobenius_bound_covers_its_rounding_under_cancellation(route):
-    # N's columns nearly orthogonal to W's: the Gram form cancels to about the rounding level,
-    # and the bound must still exceed the exact norm (rational arithmetic on the stored floats)
+@pytest.mark.parametrize("case", ["identical", "nearly identical"])
+def test_weighted_deviation_norms_cover_their_rounding_under_cancellation(case, route):
+    # alike values: each N_i cancels to (nearly) nothing in the expanded forms, and the bounds
+    # must still exceed the exact norms of the stored floats (rational arithmetic)
     g = torch.Generator().manual_seed(32)
-    W = torch.randn(5, 3, generator=g, dtype=F64)
-    Z = torch.randn(4, 5, 2, generator=g, dtype=F64)
-    N = Z - W @ torch.linalg.solve(W.mT @ W, W.mT @ Z)  # W^T N = 0 up to rounding
-    bound = cross_frobenius_upper(W, N, route)
-    for i in range(4):
-        exact = sum(sum(Fraction(W[j, e].item()) * Fraction(N[i, j, v].item())
-                        for j in range(5)) ** 2 for e in range(3) for v in range(2))
-        assert Fraction(bound[i].item()) ** 2 >= exact
-        assert bound[i] < 1e-6 * torch.linalg.vector_norm(N[i])
+    n, dv, dh = 5, 3, 2
+    probs = torch.softmax(torch.randn(n, n, generator=g, dtype=F64), dim=-1)
+    values = torch.randn(1, dv, generator=g, dtype=F64).expand(n, dv).clone()
+    if case == "nearly identical":
+        values = values + 1e-9 * torch.randn(n, dv, generator=g, dtype=F64)
+    keys = torch.randn(n, dh, generator=g, dtype=F64)
+    deviation, cross = weighted_deviation_norms(probs, values, keys, route)
+    P = [[Fraction(probs[i, j].item()) for j in range(n)] for i in range(n)]
+    V = [[Fraction(values[j, v].item()) for v in range(dv)] for j in range(n)]
+    K = [[Fraction(keys[j, e].item()) for e in range(dh)] for j in range(n)]
+    for i in range(n):
+        mean = [sum(P[i][k] * V[k][v] for k in range(n)) for v in range(dv)]
+        N = [[P[i][j] * (V[j][v] - mean[v]) for v in range(dv)] for j in range(n)]
+        assert Fraction(deviation[i].item()) ** 2 >= sum(x * x for row in N for x in row)
+        product = sum(sum(K[j][e] * N[j][v] for j in range(n)) ** 2
+                      for e in range(dh) for v in range(dv))
+        assert Fraction(cross[i].item()) ** 2 >= product
+    scale = torch.linalg.vector_norm(values, dim=-1).max()
+    assert (deviation < 1e-6 * scale).all() and (cross < 1e-6 * scale).all()
 
 
 def test_softmax_bound_is_far_below_the_product_bound_near_the_reference():

@@ -74,67 +74,93 @@ def softmax_first_order_bound(X: Tensor, probs: Tensor, x_query: Tensor, key: Te
 
     X (B, n, d) float64 tokens; probs (B, h, n, n); x_query (B, h, n, dh) X Wq_l; key Wk_l
     (h, d, dh); value Wv_l (h, d, dv); stacked_norms: upper bounds (||Wq||, ||Wk||, ||Wo||) on
-    the whole matrices (scalar tensors); scale s. Frobenius norms bound ||N_li|| and ||M_li||.
-    Rounding: N_li = p o (X~ Wv_l) - p (p^T X~ Wv_l) is computed with at most n + d + 4
-    roundings per term from X (the centring included), each term at most |X~ Wv_l| in size
-    entrywise after the weights p <= 1, ||p||_2 <= 1, so adding
-    2 gamma_{n+d+4} (||X~ Wv_l||_F + ||X~||_F ||Wv_l||_F) covers it (and the difference between
-    the computed X~ and X - 1 c^T); W_l = X~ Wk_l alike (2 gamma_{n+d+4} (||W_l||_F +
-    ||X~||_F ||Wk_l||_F)). ||M_li||_F^2 = <W_l W_l^T, N_li N_li^T> is formed from the two
-    (n x n) Gram matrices: n^2 (dh + dv) flops per row i instead of n dh dv, and every term
-    W_je W_ke N_jv N_kv of the sum passes at most dh + dv + n^2 roundings, so the computed
-    value is within gamma_{dh+dv+n^2} sum_{e,v} (sum_j |W_je| |N_jv|)^2
-    <= gamma_{dh+dv+n^2} ||W_l||_F^2 ||N_li||_F^2 of the exact one (Cauchy-Schwarz).
+    the whole matrices (scalar tensors); scale s. Frobenius norms bound ||N_li|| and ||M_li||,
+    both from ``weighted_deviation_norms`` on the computed X~ Wv_l and W_l = X~ Wk_l.
+    Rounding of those operands: X~ Wv_l is computed with at most d + 2 roundings per term from
+    X (the centring included), so it lies within gamma_{d+2} (||X~ Wv_l||_F + ||X~||_F ||Wv_l||_F)
+    of the exact one in Frobenius norm, and N_li, linear in it with norm at most 2
+    (||p_i||_2 <= 1), moves by twice that; 2 gamma_{n+d+4} (...) covers it with room. W_l alike
+    (2 gamma_{n+d+4} (||W_l||_F + ||X~||_F ||Wk_l||_F)), entering M_li = W_l^T N_li through
+    ||N_li||.
     """
     n, d = X.shape[1], X.shape[2]
     query_norm, key_norm, output_norm = stacked_norms
     centred = X - X.mean(dim=1, keepdim=True)
     x_value = torch.einsum("bnd,hde->bhne", centred, value)  # X~ Wv_l (B, h, n, dv)
     x_key = torch.einsum("bnd,hde->bhne", centred, key)  # X~ Wk_l (B, h, n, dh)
-    weights = probs[..., None]  # (B, h, i, j, 1)
-    mixed = weights * x_value[:, :, None] - weights * (probs[..., None, :]
-                                                       @ x_value[:, :, None])  # N_li
     frob = torch.linalg.vector_norm
     value_f = frob(value, dim=(1, 2))  # ||Wv_l||_F
     slip = 2.0 * gamma(n + d + 4) * (frob(x_value, dim=(2, 3))
                                      + frob(centred, dim=(1, 2))[:, None] * value_f)  # (B, h)
     inflate = 1.0 + 2.0 ** -40
-    mixed_norm = frob(mixed, dim=(3, 4)) * inflate + slip[..., None]  # (B, h, n) >= ||N_li||
+    deviation, crossed = weighted_deviation_norms(probs, x_value, x_key)
+    mixed_norm = deviation + slip[..., None]  # (B, h, n) >= ||N_li||
     key_f = frob(x_key, dim=(2, 3))[..., None] * inflate  # (B, h, 1)
     key_slip = 2.0 * gamma(n + d + 4) * (frob(x_key, dim=(2, 3)) + frob(centred, dim=(1, 2))[
         :, None] * frob(key, dim=(1, 2)))  # (B, h) >= ||W_l - computed W_l||_F
-    product = (cross_frobenius_upper(x_key, mixed) + key_f * slip[..., None]
+    product = (crossed + key_f * slip[..., None]
                + key_slip[..., None] * mixed_norm)  # >= ||M_li||_F of the exact operands
     first = query_norm * output_norm * product.amax(dim=(1, 2))
     second = output_norm * key_norm * matrix_norm_upper(mixed_norm[..., None] * x_query).amax(dim=1)
     return (first + second) / scale * inflate
 
 
-def cross_frobenius_upper(W: Tensor, N: Tensor, route: str | None = None) -> Tensor:
-    """Upper bound (..., m) on ||W^T N_i||_F for W (..., n, a) and N (..., m, n, b) float64,
-    the operands exact as stored, by the cheaper of two routes (``route`` forces one):
+def weighted_deviation_norms(probs: Tensor, values: Tensor, keys: Tensor,
+                             route: str | None = None) -> tuple[Tensor, Tensor]:
+    """Upper bounds (..., n) on ||N_i||_F and ||K^T N_i||_F, where N_i (n, dv) has rows
+    p_ij (V_j - v_i), v_i = sum_k p_ik V_k, for probs p (..., n, n), values V (..., n, dv) and
+    keys K (..., n, dh), all float64 and exact as stored. No N_i is formed.
 
-    - "gram": sqrt(<W W^T, N_i N_i^T>) from the two (n x n) Gram matrices (about n^2 (b + 1)
-      flops per i, W W^T shared), plus the rounding bound of the module docstring's 2.
-      (gamma_{a+b+n^2} ||W||_F^2 ||N_i||_F^2 on the square): cheaper for few tokens;
-    - "direct": the (a x b) products W^T N_i themselves (n a b flops per i), each entry a sum of
-      n products within gamma_n sum_j |W_je| |N_ijv| of the exact one, so the computed matrix is
-      within gamma_n ||W||_F ||N_i||_F in Frobenius norm (Cauchy-Schwarz) and its norm, a sum of
-      a b squares, within gamma_{ab+1} relatively: cheaper for many tokens (64 and more).
+    ||N_i||_F^2 = sum_j q_ij ||V_j||^2 - 2 v_i . c_i + ||v_i||^2 s_i with q = p o p,
+    c_i = sum_j q_ij V_j and s_i = sum_j q_ij. ||K^T N_i||_F by the cheaper of two routes
+    (``route`` forces one): "direct", the (dh x dv) matrices K^T N_i = A_i - k_i v_i^T with
+    A_i = sum_j p_ij K_j V_j^T and k_i = sum_j p_ij K_j (n^2 dh dv flops); "gram", its square
+    <K K^T, N_i N_i^T> = p_i^T (H o G) p_i - 2 sum_j p_ij (p G)_ij (p H)_ij + ||v_i||^2 p_i^T H p_i
+    with H = K K^T, G = V V^T (n^2 (dh + dv) + 3 n^3 flops).
+
+    Rounding. Each value is a sum of products of the stored entries, every term passing through
+    at most 4 n + dh + dv + 10 roundings, so the computed value is off by at most gamma of that
+    count times the sum of its terms' absolute values (Higham, Lemma 3.3 and eq. 3.5). With
+    r_i = sum_k p_ik ||V_k|| (Cauchy-Schwarz and Minkowski on |V_j|, |V_k|) that sum is at most
+    e_i = sum_j q_ij (||V_j|| + r_i)^2 for ||N_i||_F^2, f_i^2 for the gram route's square and
+    f_i for the direct route's matrix in Frobenius norm, f_i = sum_j p_ij ||K_j|| (||V_j|| + r_i).
+    A square root then carries sqrt(gamma e_i): about 1e-7 ||V|| when N_i cancels to nothing.
+    e_i and f_i are sums of nonnegative terms, each within that gamma relatively (inflated by
+    twice it); the Frobenius norm of a computed (dh x dv) matrix, a sum of dh dv squares, is
+    within gamma_{dh dv + 1}.
     """
-    n, a, b = W.shape[-2], W.shape[-1], N.shape[-1]
+    n, dv, dh = probs.shape[-1], values.shape[-1], keys.shape[-1]
+    if route is None:
+        route = "direct" if dh * dv < dh + dv + 3 * n else "gram"
+    count = 4 * n + dh + dv + 10
+    upper = 1.0 + 2.0 * gamma(count)  # a computed sum of nonnegative terms, made an upper bound
     inflate = 1.0 + 2.0 ** -40
     frob = torch.linalg.vector_norm
-    if route is None:
-        route = "direct" if a * b < n * (b + 1) else "gram"
+    squares = probs.square()  # q
+    mixed = probs @ values  # v_i (..., n, dv)
+    value_norms = frob(values, dim=-1)  # ||V_j|| (..., n)
+    spread = (probs @ value_norms[..., None])[..., 0]  # r_i
+    square_sum = squares.sum(dim=-1)  # s_i
+    weighted = squares @ torch.stack([value_norms.square(), value_norms], dim=-1)
+    squared = (weighted[..., 0] - 2.0 * (mixed * (squares @ values)).sum(dim=-1)
+               + mixed.square().sum(dim=-1) * square_sum)
+    magnitude = (weighted[..., 0] + 2.0 * spread * weighted[..., 1]
+                 + square_sum * spread.square()) * upper  # >= e_i
+    deviation = ((squared.clamp_min(0.0) + gamma(count) * magnitude) * inflate).sqrt()
+    key_norms = frob(keys, dim=-1)
+    reach = ((probs * key_norms[..., None, :]) * (value_norms[..., None, :] + spread[..., None])
+             ).sum(dim=-1) * upper  # >= f_i
     if route == "direct":
-        products = torch.einsum("...ja,...ijb->...iab", W, N)  # W^T N_i
-        slip = gamma(n) * frob(W, dim=(-2, -1))[..., None] * frob(N, dim=(-2, -1)) * inflate
-        return (frob(products, dim=(-2, -1)) * (1.0 + gamma(a * b + 1)) + slip) * inflate
-    gram = (W @ W.mT).unsqueeze(-3)  # (..., 1, n, n)
-    square = ((N @ N.mT) * gram).sum(dim=(-2, -1)).clamp_min(0.0)
-    spread = (frob(W, dim=(-2, -1))[..., None] * frob(N, dim=(-2, -1)) * inflate).square()
-    return ((square + gamma(a + b + n * n) * spread) * inflate).sqrt() * inflate
+        outer = (keys[..., :, None] * values[..., None, :]).flatten(-2)  # K_j V_j^T
+        crossed = (probs @ outer) - ((probs @ keys)[..., :, None] * mixed[..., None, :]).flatten(-2)
+        crossed = frob(crossed, dim=-1) * (1.0 + gamma(dh * dv + 1)) + gamma(count) * reach
+    else:
+        keys_gram, values_gram = keys @ keys.mT, values @ values.mT  # H, G
+        square = ((probs @ (keys_gram * values_gram)) * probs
+                  - 2.0 * probs * (probs @ values_gram) * (probs @ keys_gram)).sum(dim=-1)
+        square = square + mixed.square().sum(dim=-1) * ((probs @ keys_gram) * probs).sum(dim=-1)
+        crossed = ((square.clamp_min(0.0) + gamma(count) * reach.square()) * inflate).sqrt()
+    return deviation * inflate, crossed * inflate
 
 
 @dataclass(frozen=True)
