@@ -230,7 +230,8 @@ def test_torchrun_run_stopped_by_time_limit_resumes_on_one_process(setup, tmp_pa
     one = one_process_model
     cut = tmp_path / "cut.safetensors"
     done = torchrun(train_args(setup, cut, "--epochs", "2", "--time-limit", "1e-6"), tmp_path)
-    assert done.returncode != 0 and "time limit reached after epoch 1, step 1/" in done.stderr
+    assert done.returncode != 0 and "time limit reached after epoch 1, step 1/" in done.stderr, \
+        done.stderr[-4000:]  # the workers' own errors, should this ever fail again
     from lofast.checkpoint import read_metadata
 
     assert read_metadata(cut)["stopped"].startswith("time limit after epoch 1, step 1/")
