@@ -216,6 +216,31 @@ def test_bound_is_second_order_where_the_triangle_inequality_is_first_order():
         assert upper < triangle - 0.1 * size
 
 
+def test_large_sizes_get_past_a_flat_top_cluster():
+    """A reference whose top 40 singular values lie within 1 % of each other (as n copies of
+    I + B_l's top values do): the first sizes find no gap and leave a complement at the top, so
+    the bound near it is +inf or first order; the larger candidates stop at the first size past
+    the cluster, whose complement is at most the cluster's next singular value (1.5), and the
+    bound is second order."""
+    from lofast.bounds.deflation import DEFLATION_SIZES, LARGE_DEFLATION_SIZES
+
+    values = [2.0 - 0.0005 * i for i in range(40)] + [1.5] * 10
+    T, _, _ = operator(120, values, seed=6)
+    gram, error = gram_with_error(T[None])
+    small = deflate_gram(-gram[0], float(error[0]), sizes=DEFLATION_SIZES)
+    large = deflate_gram(-gram[0], float(error[0]), sizes=LARGE_DEFLATION_SIZES)
+    assert small.size == max(DEFLATION_SIZES) and small.complement > 1.97
+    assert large.size == 64 and large.complement <= 1.5 * (1 + 1e-3)
+    g = torch.Generator().manual_seed(7)
+    E = torch.randn(120, 120, generator=g, dtype=F64)
+    J = T + E / torch.linalg.matrix_norm(E, 2) * 0.05
+    exact = torch.linalg.matrix_norm(J, 2)
+    first, _ = bound(J, small, 0.05)
+    second, _ = bound(J, large, 0.05)
+    assert first > exact + 0.02
+    assert exact <= second <= exact + 5 * 0.05 ** 2
+
+
 def test_a_poor_basis_is_sound():
     # a random subspace instead of the top singular vectors: the complement holds the top, and
     # the bound can exceed the triangle inequality ||T_R|| + delta (callers keep the smaller)
@@ -301,7 +326,7 @@ def test_a_nearly_null_complement():
     # eigenvalue is 0 up to rounding, and its proof must not fail on that noise
     T, _, _ = operator(12, [2.0, 1.5, 1.0] + [0.0] * 9, seed=14)
     gram, error = gram_with_error(T[None])
-    deflation = deflate_gram(-gram[0], float(error[0]), count=11)
+    deflation = deflate_gram(-gram[0], float(error[0]), sizes=(11,))
     assert deflation.size == 11 and 0.0 <= deflation.complement < 1e-5
 
 

@@ -29,7 +29,6 @@ from torch import Tensor
 
 from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.coordinate_jacobian import coordinate_first_order_norm, coordinate_jacobian_norm
-from lofast.bounds.deflation import LARGE_DEFLATION
 from lofast.bounds.first_order import (
     along_or_default,
     as_float64,
@@ -258,9 +257,10 @@ class LoosenessTest(NormStrategy):
 class DeflatedReference(NormStrategy):
     """||T_X|| (or ||T_X + D_X|| with the refinement) by the deflation of T_R
     (``near_reference.deflated_first_order_bound``, 3. of its module docstring); with the
-    refinement also zeta <= ||T_X + D_X|| + zeta_s. ``large``: the deflation of size
-    LARGE_DEFLATION, only for samples the first left loose and only where it spares zeta the
-    Gram matrix (not for a closed-form zeta). A sample stays loose where the bound is not within
+    refinement also zeta <= ||T_X + D_X|| + zeta_s. ``large``: the larger deflation
+    (``deflation.LARGE_DEFLATION_SIZES``, made once per model when first needed), only for
+    samples the first left loose and only where it spares zeta the Gram matrix (not for a
+    closed-form zeta). A sample stays loose where the bound is not within
     the method's ``jacobian_slack`` (with the refinement) or its slack (without) of its
     Rayleigh-Ritz estimate."""
 
@@ -272,8 +272,7 @@ class DeflatedReference(NormStrategy):
 
     def rows(self, block, bounds):
         loose = _loose_rows(bounds)
-        if self.large and (not bool(loose.any()) or bounds.zeta_is_tight
-                           or block.w.deflation(block.X.shape[1]).size >= LARGE_DEFLATION):
+        if self.large and (not bool(loose.any()) or bounds.zeta_is_tight):
             return torch.zeros_like(loose)
         return loose
 

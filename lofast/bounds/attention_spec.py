@@ -23,7 +23,12 @@ from lofast.bounds.coordinate_jacobian import (
     coordinate_attention,
     coordinate_values,
 )
-from lofast.bounds.deflation import LARGE_DEFLATION, Deflation, deflate_gram
+from lofast.bounds.deflation import (
+    DEFLATION_SIZES,
+    LARGE_DEFLATION_SIZES,
+    Deflation,
+    deflate_gram,
+)
 from lofast.bounds.first_order import (
     FirstOrderFactors,
     as_float64,
@@ -185,8 +190,8 @@ class AttentionSpec(Stage):
 
     def deflation(self, tokens: int, large: bool = False) -> Deflation:
         """``deflation.deflate_gram`` of the reference T_R for ``tokens`` tokens, complement in
-        the units of T_R; with ``large``, of size LARGE_DEFLATION. Computed once per token count
-        and size: from the Kronecker Gram of the verified zeta for R_l, and for U from the
+        the units of T_R; with ``large``, its size from LARGE_DEFLATION_SIZES. Computed once
+        per token count and size: from the Kronecker Gram of the verified zeta for R_l, and for U from the
         d x d Gram of its single-token reference (lifted: ``deflate_gram``'s tokens)."""
         if (tokens, large) not in self._deflations:
             f = self.first_order_factors
@@ -197,9 +202,10 @@ class AttentionSpec(Stage):
                                        device=self.value.device)
                 lift = {"tokens": tokens, "rest": float(f.residual)}
             negated, error = first_order_negated_gram(reference[None], f)
+            sizes = LARGE_DEFLATION_SIZES if large else DEFLATION_SIZES
             deflation = deflate_gram(
-                negated[0], float(error[0]), first_order_gram(reference[None], f),
-                LARGE_DEFLATION if large else None, overwrite=True,
+                negated[0], float(error[0]), first_order_gram(reference[None], f), sizes,
+                overwrite=True,
                 rebuild=lambda: first_order_negated_gram(reference[None], f)[0][0], **lift)
             self._deflations[tokens, large] = dataclasses.replace(
                 deflation, complement=deflation.complement * f.unit)

@@ -43,19 +43,24 @@ from lofast.bounds.verified import (
     SUBNORMAL,
     UNIT_ROUNDOFF,
     gamma,
+    lower_gram,
     verified_norm_from_negated_gram,
 )
 
 # Candidate subspace sizes k, smallest first: the smallest after whose Ritz value the reference
 # spectrum has fallen by DEFLATION_GAP (relative, in singular values) is taken, else the largest.
-# The per-sample cost is linear in k; the bound is tight when the deviation ||J - T_R|| is
-# smaller than the gap between ||T_R|| and the complement.
+# The per-sample cost grows with k (products with k vectors, then k x k eigenproblems); the
+# bound is tight when the deviation ||J - T_R|| is smaller than the gap between ||T_R|| and the
+# complement.
 DEFLATION_SIZES = (8, 16, 24, 32)
 DEFLATION_GAP = 0.05
 
-# The size of a second, larger deflation, for callers to try where the first is not tight
-# enough (a reference whose top singular values decay slowly).
-LARGE_DEFLATION = 128
+# The candidates of a second, larger deflation, for callers to try where the first is not tight
+# enough: a reference whose top singular values decay slowly. A residual block whose reference
+# attention keeps most tokens apart has a top cluster of about n copies of each top singular
+# value of I + B_l (the shipped default's first two blocks: 250 singular values within 5 % of
+# the top at 17 tokens), which no deflation of 32 or 128 vectors gets past.
+LARGE_DEFLATION_SIZES = (64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 # Lanczos steps for the reference's top Ritz pairs (per vector of the largest size, plus a few),
 # and for the estimate of the complement's top eigenvalue.
@@ -97,7 +102,7 @@ class Deflation:
 
 
 def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = None,
-                 count: int | None = None, tokens: int = 1, rest: float = 0.0,
+                 sizes: tuple[int, ...] = DEFLATION_SIZES, tokens: int = 1, rest: float = 0.0,
                  overwrite: bool = False,
                  rebuild: Callable[[], Tensor] | None = None) -> Deflation:
     """Deflation of a reference T_R given its Gram matrix explicitly.
@@ -118,9 +123,10 @@ def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = No
     in its place and saves a copy of the matrix; ``rebuild``, a function that makes negated
     afresh, then lets the proof factor S' in place too). gram: optionally T_R^T T_R as a cheaper
     matrix-free map (1, N) -> (1, N) for the Lanczos estimates (by default products with S;
-    above N = DENSE_SIZE only). The basis holds estimates of the top eigenvectors (k from
-    ``DEFLATION_SIZES``, or ``count``, at most N - 1; a dense eigensolver's up to N =
-    DENSE_SIZE, Lanczos's above); only tightness depends on their accuracy.
+    above N = DENSE_SIZE only). The basis holds estimates of the top eigenvectors (k: the smallest
+    of ``sizes``, ascending, after which the estimated spectrum has fallen by DEFLATION_GAP, else
+    the largest; at most N - 1; a dense eigensolver's up to N = DENSE_SIZE, Lanczos's above);
+    only tightness depends on their accuracy.
 
     complement: the square root of a Cholesky-verified upper bound
     (``spectral.verified_norm_from_negated_gram``) on lambda_max(S') with
@@ -144,7 +150,7 @@ def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = No
     if gram is None:
         def gram(q: Tensor) -> Tensor:
             return q @ S
-    largest = min(max(DEFLATION_SIZES) if count is None else count, size - 1)
+    largest = min(max(sizes), size - 1)
     if size <= DENSE_SIZE:
         values, vectors = torch.linalg.eigh(S)  # ascending
         values, vectors = values.flip(0)[: largest + 1], vectors.flip(1)[:, : largest + 1].mT
@@ -155,7 +161,7 @@ def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = No
         values, vectors = values[0], vectors[0]
     top = float(values[0].clamp_min(0.0))
     chosen = largest
-    for candidate in DEFLATION_SIZES if count is None else ():
+    for candidate in sizes:
         if candidate < min(largest, len(values) - 1) and \
                 float(values[candidate]) <= (1.0 - DEFLATION_GAP) ** 2 * top:
             chosen = candidate
@@ -276,8 +282,8 @@ def deflated_norm_bound(Y: Tensor, Z: Tensor, deflation: Deflation, deviation: T
     e_c = (gamma(size + count + 1) * (1.0 + basis_f ** 2) * z_f + e_z
            + (1.0 + eta) * eta / (1.0 - eta) * (z_f + e_z))
     e_s = gamma(size) * c_f.square() + e_c * (2.0 * c_f + e_c)
-    K = _symmetric(Y @ Y.mT)
-    S = _symmetric(projected @ projected.mT)
+    K = _symmetric(lower_gram(Y))  # each one float64 inner product per entry, as Y @ Y.mT
+    S = _symmetric(lower_gram(projected))
     c = ((deflation.complement + deviation) * inflate).square() * inflate  # >= c exactly
     finite = (torch.isfinite(K).flatten(1).all(dim=1) & torch.isfinite(S).flatten(1).all(dim=1)
               & torch.isfinite(e_k) & torch.isfinite(e_s) & torch.isfinite(c))

@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from lofast.bounds.deflation import Deflation, deflated_norm_bound
+from lofast.bounds.first_order import sample_chunks
 from lofast.bounds.spectral import matrix_norm_upper
 from lofast.bounds.verified import gamma
 
@@ -195,46 +196,65 @@ def _jacobian(probs: Tensor, E: Tensor) -> Tensor:
 
 def jacobian_apply(basis: Tensor, data: JacobianData, softmax: bool) -> Tensor:
     """T_X G_j, or (T_X + D_X) G_j with ``softmax``, for the same k vectors G_j (k, n, d) for
-    every sample: (B, k, n, d). G_j Wv_l, G_j Wq_l, G_j Wk_l do not depend on the sample and
-    are formed once; the head products then run with the k vectors side by side."""
+    every sample: (B, k, n, d), a transposed view of token-major (B, n, k, d) memory.
+
+    G_j Wv_l, G_j Wq_l, G_j Wk_l do not depend on the sample and are formed once. The work runs
+    token-major, [b, l, i, j, e] for token i and vector j: P_l mixes tokens as one (n x n) by
+    (n x k dv) product per sample and head, and both halves of the score change land in that
+    order without a transposed copy; the output projection is one product per head, added to
+    the residual in place."""
     heads, n, dv, dh = data.shape
-    count = basis.shape[0]
+    count, _, d = basis.shape
     batch = data.probs.shape[0]
-    v, q, k = (part.unflatten(-1, (heads, -1)) for part in
-               (basis @ data.projections).split([heads * dv, heads * dh, heads * dh], dim=-1))
-    v = v.permute(2, 1, 0, 3).reshape(heads, n, count * dv)  # [l, i, (j, e)]
-    mixed = (data.probs @ v).unflatten(-1, (count, dv))  # P_l G_j Wv_l: [b, l, i, j, e]
+    tokens_first = basis.transpose(0, 1)  # [i, j, f]
+    v, q, k = (tokens_first @ data.projections).split([heads * dv, heads * dh, heads * dh],
+                                                      dim=-1)
+    v = v.reshape(n, count, heads, dv).permute(2, 0, 1, 3).reshape(heads, n, count * dv)
+    mixed = data.probs @ v  # P_l G_j Wv_l: (B, h, n, k dv) [b, l, i, (j, e)]
     if softmax:
-        q = q.permute(2, 0, 1, 3).reshape(heads, count * n, dh)  # [l, (j, i), e]
-        k = k.permute(2, 0, 1, 3).reshape(heads, count * n, dh)
-        scores = ((q @ data.x_key.mT).unflatten(2, (count, n))  # G_j Wq_l (X Wk_l)^T
-                  + (data.x_query @ k.mT).unflatten(-1, (count, n)).transpose(2, 3))
-        scores = _jacobian(data.probs[:, :, None], scores).reshape(batch, heads, count * n, n)
-        scores = (scores @ data.x_value / data.scale).unflatten(2, (count, n))
-        mixed = mixed + scores.transpose(2, 3)  # + J_l(E1_l(G_j)) X Wv_l / s
-    mixed = mixed.permute(0, 3, 2, 1, 4).reshape(batch, count, n, heads * dv)  # heads side by side
-    return mixed @ data.output + data.residual * basis
+        q = q.reshape(n, count, heads, dh).permute(2, 0, 1, 3).reshape(heads, n * count, dh)
+        k = k.reshape(n, count, heads, dh).permute(2, 3, 1, 0).reshape(heads, dh, count * n)
+        # E1_l(G_j) = G_j Wq_l (X Wk_l)^T + X Wq_l (G_j Wk_l)^T: [b, l, i, (j, m)]
+        scores = (q @ data.x_key.mT).view(batch, heads, n, count * n)
+        scores += data.x_query @ k
+        scores = _jacobian(data.probs[:, :, :, None], scores.view(batch, heads, n, count, n))
+        mixed += (scores.view(batch, heads, n * count, n) @ (data.x_value / data.scale)).view(
+            batch, heads, n, count * dv)  # + J_l(E1_l(G_j)) X Wv_l / s
+    mixed = mixed.view(batch, heads, n * count, dv)
+    out = (data.residual * tokens_first).expand(batch, n, count, d).reshape(batch, n * count, d)
+    output = data.output.view(heads, dv, d)
+    for head in range(heads):
+        out.baddbmm_(mixed[:, head], output[head].expand(batch, dv, d))
+    return out.view(batch, n, count, d).transpose(1, 2)
 
 
 def jacobian_adjoint(Y: Tensor, data: JacobianData, softmax: bool) -> Tensor:
-    """T_X^T Y, or (T_X + D_X)^T Y with ``softmax``, for Y (B, k, n, d) -> (B, k, n, d)."""
+    """T_X^T Y, or (T_X + D_X)^T Y with ``softmax``, for Y (B, k, n, d) -> (B, k, n, d), a
+    transposed view of token-major memory (``jacobian_apply``'s layout; its output is read
+    without a copy)."""
     heads, n, dv, dh = data.shape
-    batch, count = Y.shape[:2]
-    mixed = (Y @ data.output.mT).unflatten(-1, (heads, dv))  # Y Wo_l^T (B, k, n, h, dv)
-    value = data.probs.mT @ mixed.permute(0, 3, 2, 1, 4).reshape(batch, heads, n, count * dv)
-    value = value.unflatten(-1, (count, dv)).permute(0, 3, 2, 1, 4)
-    value = value.reshape(batch, count, n, heads * dv)
-    if not softmax:
-        return value @ data.projections[:, : heads * dv].mT + data.residual * Y
-    mixed = mixed.permute(0, 3, 1, 2, 4).reshape(batch, heads, count * n, dv)
-    adjoint = _jacobian(data.probs[:, :, None],
-                        (mixed @ data.x_value.mT / data.scale).unflatten(2, (count, n)))
-    query = (adjoint.reshape(batch, heads, count * n, n) @ data.x_key).unflatten(2, (count, n))
-    key = adjoint.mT @ data.x_query[:, :, None]  # (B, h, k, n, dh)
-    query, key = (t.permute(0, 2, 3, 1, 4).reshape(batch, count, n, heads * dh)
-                  for t in (query, key))
-    stacked = torch.cat([value, query, key], dim=-1)
-    return stacked @ data.projections.mT + data.residual * Y
+    batch, count, _, d = Y.shape
+    flat = Y.transpose(1, 2).reshape(batch, n * count, d)  # [b, (i, j), f]
+    mixed = (flat @ data.output.mT).view(batch, n * count, heads, dv).transpose(1, 2)
+    mixed = mixed.contiguous()  # Y Wo_l^T: (B, h, n k, dv) [b, l, (i, j), e]
+    value = data.probs.mT @ mixed.view(batch, heads, n, count * dv)  # P_l^T Y Wo_l^T
+    # the stacked projections' columns per part and head: (d, h, dv or dh) views
+    parts = data.projections.split([heads * dv, heads * dh, heads * dh], dim=1)
+    weights = [part.view(d, heads, -1) for part in parts]
+    out = data.residual * flat
+    terms = [(value.view(batch, heads, n * count, dv), weights[0])]
+    if softmax:
+        adjoint = _jacobian(data.probs[:, :, :, None], (mixed @ (data.x_value / data.scale).mT)
+                            .view(batch, heads, n, count, n))  # [b, l, i, j, m]
+        query = adjoint.view(batch, heads, n * count, n) @ data.x_key  # [b, l, (i, j), e]
+        key = adjoint.view(batch, heads, n, count * n).mT @ data.x_query  # [b, l, (j, m), e]
+        key = key.view(batch, heads, count, n, dh).transpose(2, 3).reshape(
+            batch, heads, n * count, dh)
+        terms += [(query, weights[1]), (key, weights[2])]
+    for part, weight in terms:
+        for head in range(heads):
+            out.baddbmm_(part[:, head], weight[:, head].mT.expand(batch, -1, d))
+    return out.view(batch, n, count, d).transpose(1, 2)
 
 
 def jacobian_rounding(data: JacobianData) -> tuple[Tensor, Tensor]:
@@ -272,14 +292,28 @@ def deflated_first_order_bound(data: JacobianData, deflation: Deflation, referen
     """A deterministic upper bound (B,) on ||T_X||, or on ||T_X + D_X|| given softmax (B,)
     >= ||D_X||, and its Rayleigh-Ritz estimate (B,), by ``deflation.deflated_norm_bound``
     (3. of the module docstring). deflation: of T_R, ``complement`` in the units of T_X;
-    reference_norm >= ||T_R||; deviation (B,) >= ||T_X - T_R||."""
+    reference_norm >= ||T_R||; deviation (B,) >= ||T_X - T_R||. The samples run in chunks
+    whose (k, n, d) products fit the device's workspace (``first_order.sample_chunks``): a
+    large deflation holds k n d float64 numbers per sample in each of several tensors."""
     batch, _, n, _ = data.probs.shape
     count, d = deflation.size, data.output.shape[1]
     with_softmax = softmax is not None
-    image = jacobian_apply(deflation.basis.mT.reshape(count, n, d), data, with_softmax)
-    back = jacobian_adjoint(image, data, with_softmax)
+    basis = deflation.basis.mT.reshape(count, n, d)
     r_first, r_jacobian = jacobian_rounding(data)
+    rounding = r_jacobian if with_softmax else r_first
     whole = deviation + softmax if with_softmax else deviation
-    return deflated_norm_bound(image.reshape(batch, count, -1), back.reshape(batch, count, -1),
-                               deflation, whole, reference_norm + whole,
-                               r_jacobian if with_softmax else r_first)
+    bounds, estimates = [], []
+    for rows in sample_chunks(batch, count * n * d, data.probs.device):
+        part = JacobianData(probs=data.probs[rows], x_query=data.x_query[rows],
+                            x_key=data.x_key[rows], x_value=data.x_value[rows],
+                            projections=data.projections, output=data.output,
+                            residual=data.residual, scale=data.scale)
+        image = jacobian_apply(basis, part, with_softmax)
+        back = jacobian_adjoint(image, part, with_softmax)
+        size = image.shape[0]
+        bound, estimate = deflated_norm_bound(
+            image.reshape(size, count, -1), back.reshape(size, count, -1), deflation,
+            whole[rows], reference_norm + whole[rows], rounding[rows])
+        bounds.append(bound)
+        estimates.append(estimate)
+    return torch.cat(bounds), torch.cat(estimates)

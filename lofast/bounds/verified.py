@@ -64,7 +64,7 @@ def gram_with_error(matrix: Tensor) -> tuple[Tensor, Tensor]:
     tall = cols <= rows
     inner, small = (rows, cols) if tall else (cols, rows)
     side = M.mT if tall else M  # (B, small, inner): gram = side side^T
-    gram = _lower_gram(side)
+    gram = lower_gram(side)
     gram = torch.tril(gram) + torch.tril(gram, -1).mT
     unit = power_of_two_above(M.abs().amax(dim=(-2, -1)) if M.numel() else M.new_zeros(M.shape[0]))
     scaled = (M / unit[:, None, None]).square().sum(dim=(-2, -1))  # ||M||_F^2 / unit^2, ~exact
@@ -76,12 +76,12 @@ def gram_with_error(matrix: Tensor) -> tuple[Tensor, Tensor]:
     return gram, error * (1.0 + 2.0 ** -40)
 
 
-# Row blocks of the lower-triangle Gram product (``_lower_gram``): about half the work of the
+# Row blocks of the lower-triangle Gram product (``lower_gram``): about half the work of the
 # whole product from 8 blocks on.
 GRAM_BLOCKS = 8
 
 
-def _lower_gram(side: Tensor) -> Tensor:
+def lower_gram(side: Tensor) -> Tensor:
     """side side^T (B, r, r) with only its lower triangle (and diagonal) guaranteed: row block
     b is multiplied by the rows up to its own end, about (1 + 1/GRAM_BLOCKS) / 2 of the whole
     product's work. Each entry is still one float64 inner product over side's last dimension
