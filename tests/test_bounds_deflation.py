@@ -370,3 +370,34 @@ def test_uniform_reference_deflation_from_the_single_token_proof(tokens, residua
         negated, error = first_order_negated_gram(single[None], f)
         unlifted = deflate_gram(negated[0], float(error[0]), tokens=tokens, rest=0.0)
         assert float(unlifted.complement) * f.unit < rest * (1 - 1e-3)
+
+
+@pytest.mark.parametrize(("scale", "settled"), [(1e-6, 3), (1e-2, 2), (1.0, 0), (30.0, 0)])
+def test_joint_top_matches_the_joint_eigenvalue(scale, settled, monkeypatch):
+    """``_joint_top``'s fixed-point estimate of the top eigenvalue of [[K, S^(1/2)],
+    [S^(1/2), c I]] against the 2k x 2k eigensolver, with c below, near and above
+    lambda_max(K): the iteration settles for a small S (near the reference) with c well below
+    lambda_max(K), and the eigensolver answers for the rest."""
+    from lofast.bounds.deflation import JOINT_TOLERANCE, _joint_top
+
+    g = torch.Generator().manual_seed(int(scale * 1e6) % 1000)
+    k = 12
+    A = torch.randn(4, k, k, generator=g, dtype=F64)
+    K = A @ A.mT
+    C = torch.randn(4, k, k, generator=g, dtype=F64) * scale
+    S = C @ C.mT
+    top = torch.linalg.eigvalsh(K)[:, -1]
+    c = top * torch.tensor([0.5, 0.9, 0.999, 1.2], dtype=F64)
+    values, vectors = torch.linalg.eigh(S)
+    root = (vectors * values.clamp_min(0.0).sqrt()[:, None, :]) @ vectors.mT
+    eye = torch.eye(k, dtype=F64).expand(4, -1, -1)
+    joint = torch.cat([torch.cat([K, root], dim=2), torch.cat([root, c[:, None, None] * eye],
+                                                               dim=2)], dim=1)
+    exact = torch.linalg.eigvalsh(joint)[:, -1]
+    eigensolved = []
+    eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh",
+                        lambda M: eigensolved.append(M.shape[0]) or eigh(M))
+    estimate = _joint_top(K, S, c, top, torch.linalg.vector_norm(S, dim=(1, 2)))
+    assert sum(eigensolved) == 4 - settled
+    assert torch.allclose(estimate, exact, rtol=2 * JOINT_TOLERANCE, atol=0.0), (estimate, exact)

@@ -60,7 +60,7 @@ DEFLATION_GAP = 0.05
 # attention keeps most tokens apart has a top cluster of about n copies of each top singular
 # value of I + B_l (the shipped default's first two blocks: 250 singular values within 5 % of
 # the top at 17 tokens), which no deflation of 32 or 128 vectors gets past.
-LARGE_DEFLATION_SIZES = (64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+LARGE_DEFLATION_SIZES = tuple(range(64, 513, 32))
 
 # Lanczos steps for the reference's top Ritz pairs (per vector of the largest size, plus a few),
 # and for the estimate of the complement's top eigenvalue.
@@ -289,17 +289,13 @@ def deflated_norm_bound(Y: Tensor, Z: Tensor, deflation: Deflation, deviation: T
               & torch.isfinite(e_k) & torch.isfinite(e_s) & torch.isfinite(c))
     K, S = (torch.where(finite[:, None, None], t, 0.0) for t in (K, S))  # eigensolvers need it
     c = torch.where(finite, c, 0.0)
-    ritz = torch.where(finite, torch.linalg.eigvalsh(K)[:, -1].clamp_min(0.0).sqrt(), math.nan)
-    # the smallest t: top eigenvalue of [[K, S^(1/2)], [S^(1/2), c I]] (an estimate)
-    values, vectors = torch.linalg.eigh(S)
-    root = (vectors * values.clamp_min(0.0).sqrt()[:, None, :]) @ vectors.mT
+    top = torch.linalg.eigvalsh(K)[:, -1]
+    ritz = torch.where(finite, top.clamp_min(0.0).sqrt(), math.nan)
     eye = torch.eye(count, dtype=torch.float64, device=Y.device).expand(batch, -1, -1)
-    joint = torch.cat([torch.cat([K, root], dim=2), torch.cat([root, c[:, None, None] * eye],
-                                                               dim=2)], dim=1)
-    smallest = torch.maximum(torch.linalg.eigvalsh(joint)[:, -1], c)
-    upper = torch.full((batch,), math.inf, dtype=torch.float64, device=Y.device)
     k_f = torch.linalg.vector_norm(K, dim=(1, 2))
     s_f = torch.linalg.vector_norm(S, dim=(1, 2))
+    smallest = torch.maximum(_joint_top(K, S, c, top, s_f), c)  # an estimate of the smallest t
+    upper = torch.full((batch,), math.inf, dtype=torch.float64, device=Y.device)
     todo = finite & torch.isfinite(smallest)
     for step in TRIAL_STEPS:
         if not bool(todo.any()):
@@ -314,6 +310,47 @@ def deflated_norm_bound(Y: Tensor, Z: Tensor, deflation: Deflation, deviation: T
         upper = torch.where(ok, t.sqrt() * inflate, upper)
         todo = todo & ~ok
     return upper, ritz
+
+
+# _joint_top: fixed-point steps on k x k matrices before the 2k x 2k eigensolver is used instead
+# (one 2k eigensolver costs about five k x k ones), and the relative agreement they must reach
+# (below TRIAL_STEPS' first increment, so the first trial starts above t*).
+JOINT_STEPS = 3
+JOINT_TOLERANCE = 1e-10
+
+
+def _joint_top(K: Tensor, S: Tensor, c: Tensor, top: Tensor, s_frobenius: Tensor) -> Tensor:
+    """Estimates (B,) of t*, the top eigenvalue of [[K, S^(1/2)], [S^(1/2), c I]] (the smallest
+    t of condition (*) with eta = 0), for K, S (B, k, k) symmetric PSD, c (B,), top (B,)
+    lambda_max(K) and s_frobenius (B,) >= ||S||_F. Only speed and tightness depend on them: the
+    caller verifies every t it returns.
+
+    For t > c, t <= t* exactly when lambda_max(K + S / (t - c)) >= t (Schur complement), and
+    phi(t) = lambda_max(K + S / (t - c)) decreases in t, so t* is its fixed point. From
+    t_0 = max(top, c) + ||S||_F^(1/2) >= t*, the iterates t_(m+1) = phi(t_m) alternate about t*
+    (above it at even m, below at odd m) and close in quickly where S is small next to
+    (t* - c)^2, the usual case near the reference. Samples whose last two iterates do not agree
+    to JOINT_TOLERANCE (t* near c, or an iterate at or below c) take the 2k x 2k eigensolver."""
+    t = torch.maximum(top, c) + s_frobenius.sqrt()
+    previous = t
+    valid = torch.ones_like(t, dtype=torch.bool)
+    for _ in range(JOINT_STEPS):
+        # an iterate at or just above c has no phi (or a huge one): such samples leave the
+        # iteration for the eigensolver, with finite dummy values meanwhile
+        valid = valid & (t - c > JOINT_TOLERANCE * t.abs())
+        gap = torch.where(valid, t - c, 1.0)
+        previous, t = t, torch.linalg.eigvalsh(K + S / gap[:, None, None])[:, -1]
+    upper = torch.maximum(previous, t)  # the even iterate of the last pair
+    settled = valid & (t > c) & ((previous - t).abs() <= JOINT_TOLERANCE * upper)
+    if bool(settled.all()):
+        return upper
+    rest = ~settled
+    values, vectors = torch.linalg.eigh(S[rest])
+    root = (vectors * values.clamp_min(0.0).sqrt()[:, None, :]) @ vectors.mT
+    eye = torch.eye(K.shape[-1], dtype=K.dtype, device=K.device).expand(len(values), -1, -1)
+    joint = torch.cat([torch.cat([K[rest], root], dim=2),
+                       torch.cat([root, c[rest][:, None, None] * eye], dim=2)], dim=1)
+    return upper.masked_scatter(rest, torch.linalg.eigvalsh(joint)[:, -1])
 
 
 def _symmetric_frobenius_upper(negated: Tensor, blocks: int = 8) -> float:
