@@ -688,6 +688,42 @@ def test_verified_zeta_takes_the_better_bound_per_sample(monkeypatch, deflated):
         assert lanczos_samples == {1: 6 + 3, VERIFIED.estimate_steps: 3}
 
 
+@pytest.mark.parametrize("hopeless", [False, True], ids=["first-deflation", "flat-top"])
+def test_samples_the_first_deflation_cannot_settle_go_to_the_larger_one(monkeypatch, hopeless):
+    # the batch above: the peaked samples need a deflation. Where the first deflation's
+    # complement plus a sample's deviation exceeds ||T_R|| by more than the slack (forced here,
+    # as a flat-topped reference has it), its bound could not settle them: they skip it for
+    # the larger deflation, and every bound still holds
+    import dataclasses
+
+    from lofast.bounds.attention_spec import AttentionSpec
+
+    w = with_score_gain(make_weights(3, 12, 4, True, seed=47), 0.05)
+    X = torch.cat([make_tokens(3, 5, 12, 0.1, seed=48), make_tokens(3, 5, 12, 30.0, seed=49)])
+    exact = torch.linalg.matrix_norm(materialised_operator(X, w), ord=2)
+    real_deflation = AttentionSpec.deflation
+
+    def deflation(self, tokens, large=False):
+        result = real_deflation(self, tokens, large)
+        if hopeless and not large:  # its complement at the reference's norm: no gap
+            return dataclasses.replace(result, complement=self.reference_first_order[0] * 1.1)
+        return result
+
+    monkeypatch.setattr(AttentionSpec, "deflation", deflation)
+    sizes = []
+    real_bound = attention_norms.deflated_first_order_bound
+
+    def recording(data, deflation, *args):
+        sizes.append((deflation.size, data.probs.shape[0]))
+        return real_bound(data, deflation, *args)
+
+    monkeypatch.setattr(attention_norms, "deflated_first_order_bound", recording)
+    zeta = attention_sensitivity(X, w, score_bound="relaxed", method=VERIFIED).zeta
+    assert (zeta >= exact).all() and (zeta <= exact * (1 + 2 * SLACK)).all()
+    small = w.deflation(5).size
+    assert sizes == ([(w.deflation(5, True).size, 3)] if hopeless else [(small, 3)])
+
+
 @pytest.mark.parametrize("deflated", [True, False], ids=["deflated", "lanczos"])
 def test_probabilistic_zeta_takes_the_deterministic_bounds_first(monkeypatch, deflated):
     # the Lanczos method goes the verified method's way: in the batch above, the near-reference

@@ -260,7 +260,8 @@ class DeflatedReference(NormStrategy):
     refinement also zeta <= ||T_X + D_X|| + zeta_s. ``large``: the larger deflation
     (``deflation.LARGE_DEFLATION_SIZES``, made once per model when first needed), only for
     samples the first left loose and only where it spares zeta the Gram matrix (not for a
-    closed-form zeta). A sample stays loose where the bound is not within
+    closed-form zeta); the first skips the samples it cannot settle (see ``rows``). A sample
+    stays loose where the bound is not within
     the method's ``jacobian_slack`` (with the refinement) or its slack (without) of its
     Rayleigh-Ritz estimate."""
 
@@ -272,9 +273,21 @@ class DeflatedReference(NormStrategy):
 
     def rows(self, block, bounds):
         loose = _loose_rows(bounds)
-        if self.large and (not bool(loose.any()) or bounds.zeta_is_tight):
+        if not bool(loose.any()) or (self.large and bounds.zeta_is_tight):
             return torch.zeros_like(loose)
-        return loose
+        if self.large:
+            return loose
+        # The bound is at least c + delta (c the deflation's complement, delta the deviation:
+        # its condition needs t > (c + delta)^2). Where that exceeds ||T_R|| by more than the
+        # slack, it cannot come within the slack of a Ritz value near ||T_R||: those samples,
+        # typical of a reference with a flat top, go straight to the larger deflation. Only
+        # speed depends on this test.
+        with_softmax = block.refine and not block.coordinate_jacobian
+        deviation = block.head_deviation + (bounds.softmax if with_softmax else 0.0)
+        slack = block.method.jacobian_slack if with_softmax else block.method.relative_slack
+        reference_norm = block.w.reference_first_order[0].to(block.X.device)
+        complement = block.w.deflation(block.X.shape[1]).complement.to(block.X.device)
+        return loose & (complement + deviation <= reference_norm * (1.0 + slack))
 
     def bound(self, block, bounds, rows):
         projections, output = block.w.jacobian_weights
