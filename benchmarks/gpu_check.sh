@@ -31,6 +31,10 @@
 #      guarantees, ms a sample, once-per-model seconds and peak device memory, within
 #      TOKENS_SECONDS (default 300; OUT/bench_tokens.json). The 64- and 256-token figures
 #      alone: `TOKENS="64 256" PASS_SECONDS=0 BENCH_BATCHES= COMPILE= bash ... DATA OUT`;
+#      2d. with LIVE=K, benchmarks/bench_certify.py on the default with live attention K
+#      (`--live-attention K`, the shape of the ||A_l|| / s = K models the CPU figures use):
+#      ms a sample over the first LIVE_N (default 512) bundled images in batches of
+#      LIVE_BATCH (default 1024), exact guarantee (OUT/bench_live.json);
 #   3. lofast train with TRAIN_ARGS until PASS_SECONDS (default 520) after the start of the
 #      pass (none when less than a minute of it is left: PASS_SECONDS=0 gives the figures
 #      only), resumed from STATE when given (OUT/train.safetensors, and its .state.pt for the
@@ -51,7 +55,8 @@
 #
 # Each step runs whatever became of the one before; everything printed goes to OUT/log.txt.
 # Environment: DEVICE (default cuda), BENCH_BATCHES (set but empty: no step 1), BENCH_ARGS
-# (more options of bench_train.py), COMPILE, TOKENS, TOKENS_DEPTH, TOKENS_SECONDS, LR (the
+# (more options of bench_train.py), COMPILE, TOKENS, TOKENS_DEPTH, TOKENS_SECONDS, LIVE,
+# LIVE_N, LIVE_BATCH, LR (the
 # recipe's learning rate, default 2e-3; a CPU ablation favoured 1.6e-2 to 3.2e-2), BATCH (its
 # batch size, default 250; 1000 also divides the training set, 4.1x the images/s eager), LIMIT
 # (certify only the first LIMIT test images; default all), PASS_SECONDS, TRAIN_ARGS, INIT, EPOCHS, PART_MIB (default 15). With DEVICE=cpu
@@ -130,6 +135,13 @@ if [ ${#token_counts[@]} -gt 0 ]; then
         --tokens "$(IFS=,; echo "${token_counts[*]}")" --guarantees exact,probabilistic \
         --position-bias --models 1 --depth "${TOKENS_DEPTH:-6}" --device "$device" \
         --out "$out/bench_tokens.json" || echo "bench_tokens: exit $?"
+fi
+
+if [ -n "${LIVE:-}" ]; then
+    echo "== 2d. the default with live attention K = $LIVE ($(elapsed) s)"
+    timeout 200 python3 benchmarks/bench_certify.py --live-attention "$LIVE" \
+        --n "${LIVE_N:-512}" --batch-sizes "${LIVE_BATCH:-1024}" --device "$device" \
+        --out "$out/bench_live.json" || echo "bench_certify --live-attention: exit $?"
 fi
 
 if [ "$pass_seconds" -le $(($(elapsed) + 60)) ]; then  # PASS_SECONDS=0: the figures only
