@@ -358,3 +358,47 @@ def test_the_jacobian_enters_the_refined_delta():
             expected = min(unrefined.delta(eps).item(), refined)
             assert sens.delta(eps).item() == pytest.approx(expected, rel=1e-12)
             assert sens.delta(eps).item() <= plain.delta(eps).item()
+
+
+def test_a_flat_topped_reference_takes_the_larger_deflation(monkeypatch):
+    # a reference that keeps tokens apart (each head attends to itself) and values with a flat
+    # top (I + B has 6 singular values 1.25): T_R repeats them once per token, 48 at the top, so
+    # the first deflation (at most 32 vectors) finds no gap and no sample could settle there.
+    # The samples go to the larger deflation, whose bound on the Jacobian lies within 1e-3 of
+    # the autograd norm, with no per-sample Gram matrix; without it they would pay zeta + ||D_X||
+    import dataclasses
+
+    n, d, h, dh = 8, 16, 4, 4
+    value = torch.zeros(h, d, dh, dtype=F64)
+    output = torch.zeros(h, dh, d, dtype=F64)
+    for coordinate in range(6):  # B = sum_l Wv_l Wo_l = 0.25 on the first 6 coordinates
+        head, column = divmod(coordinate, dh)
+        value[head, coordinate, column] = 0.5
+        output[head, column, coordinate] = 0.5
+    base = make_weights(h, d, dh, True, seed=21)
+    bias = 6.0 * torch.eye(n, dtype=F64).expand(h, n, n).clone()
+    w = dataclasses.replace(base, query=base.query * 2.0, key=base.key * 2.0, value=value,
+                            output=output, position_bias=bias)
+    X = patterned_tokens("random", 3, n, d, seed=22)
+    first, whole, softmax = dense_norms(X, w)
+    assert w.reference_first_order[0] > 0  # the per-model proofs, before the Gram matrices go
+    assert w.deflation(n).size == 32 and w.deflation(n, True).size >= 48
+    sizes = []
+    real_bound = attention_norms.deflated_first_order_bound
+
+    def recording(data, deflation, *args):
+        sizes.append(deflation.size)
+        return real_bound(data, deflation, *args)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("no per-sample Gram matrix")
+
+    monkeypatch.setattr(attention_norms, "deflated_first_order_bound", recording)
+    for module in (attention_spec, first_order):
+        monkeypatch.setattr(module, "first_order_negated_gram", refuse)
+    monkeypatch.setattr(attention_norms, "softmax_first_order_norm", refuse)
+    sens = attention_sensitivity(X, w, score_bound="relaxed", softmax_jacobian=True,
+                                 method=VERIFIED)
+    assert sizes == [w.deflation(n, True).size]
+    assert (sens.jacobian >= whole).all() and (sens.jacobian <= whole * (1 + 1e-3)).all()
+    assert (sens.jacobian < first + softmax).all()
