@@ -703,8 +703,8 @@ def test_samples_the_first_deflation_cannot_settle_go_to_the_larger_one(monkeypa
     exact = torch.linalg.matrix_norm(materialised_operator(X, w), ord=2)
     real_deflation = AttentionSpec.deflation
 
-    def deflation(self, tokens, large=False):
-        result = real_deflation(self, tokens, large)
+    def deflation(self, tokens, large=False, *args):
+        result = real_deflation(self, tokens, large, *args)
         if hopeless and not large:  # its complement at the reference's norm: no gap
             return dataclasses.replace(result, complement=self.reference_first_order[0] * 1.1)
         return result

@@ -402,3 +402,51 @@ def test_a_flat_topped_reference_takes_the_larger_deflation(monkeypatch):
     assert sizes == [w.deflation(n, True).size]
     assert (sens.jacobian >= whole).all() and (sens.jacobian <= whole * (1 + 1e-3)).all()
     assert (sens.jacobian < first + softmax).all()
+
+
+def test_the_lanczos_method_draws_the_references_proofs_too(monkeypatch):
+    # with the probabilistic guarantee a large position-biased reference needs no Gram matrix:
+    # ||T_R|| and the deflations' complements come from randomized Lanczos, once per model, on
+    # generators of their own seeded from the certifier's seed. Each is an upper bound (against
+    # the dense operator) within the method's slack, and every sample's failure probability
+    # counts the three per-model draws
+    from test_bounds_attention import LANCZOS, SLACK
+
+    from lofast.bounds.attention import PER_MODEL_NORMS
+
+    n, d, h, dh = 6, 16, 4, 4
+    w = live_block(n, d, h, dh, 1.0, seed=23)
+    X = patterned_tokens("random", 3, n, d, seed=24)
+    first, whole, _ = dense_norms(X, w)
+    # the path is taken from n d = PROBABILISTIC_REFERENCE_SIZE on (6,144 by default; 96 here)
+    monkeypatch.setattr(attention_spec, "PROBABILISTIC_REFERENCE_SIZE", n * d + 1)
+    assert not w.probabilistic_reference(LANCZOS)
+    monkeypatch.setattr(attention_spec, "PROBABILISTIC_REFERENCE_SIZE", n * d)
+    assert w.probabilistic_reference(LANCZOS) and not w.probabilistic_reference(VERIFIED)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("no Gram matrix with the probabilistic guarantee")
+
+    for module in (attention_spec, first_order):
+        monkeypatch.setattr(module, "first_order_negated_gram", refuse)
+    generator = torch.Generator().manual_seed(5)
+    sens = attention_sensitivity(X, w, score_bound="relaxed", softmax_jacobian=True,
+                                 method=LANCZOS, generator=generator)
+    assert (sens.zeta >= first).all() and (sens.jacobian >= whole).all()
+    # zeta and ||D_X|| per sample; ||T_R|| and the two complements per model
+    assert PER_MODEL_NORMS == 3
+    assert sens.failure_probability == 5 * LANCZOS.failure_probability
+    T_R = materialised_operator(X[:1], w, w.reference_probabilities[None])[0]
+    exact = torch.linalg.matrix_norm(T_R, ord=2)
+    bound = w.reference_norm(LANCZOS, generator)
+    assert exact <= bound <= exact * (1 + 2 * SLACK)
+    for large in (False, True):
+        deflation = w.deflation(n, large, LANCZOS, generator)
+        V = deflation.basis
+        P = torch.eye(n * d, dtype=F64) - V @ torch.linalg.solve(V.mT @ V, V.mT)
+        rest = torch.linalg.matrix_norm(T_R @ P, ord=2)  # sup ||T_R w|| over w orthogonal to V
+        assert rest <= deflation.complement <= rest * (1 + 2 * SLACK) + 1e-12
+    # the same draws whatever the order: a second spec's first call, from a fresh generator
+    # with the same seed, gives the same bound
+    again = live_block(n, d, h, dh, 1.0, seed=23)
+    assert again.reference_norm(LANCZOS, torch.Generator().manual_seed(5)) == bound

@@ -125,6 +125,10 @@ SOFTMAX_REMAINDER = math.sqrt(6.0) / 18.0
 
 DEFAULT_METHOD = SpectralMethod()  # randomized Lanczos (frozen, safe to share)
 
+# Probabilistic norms of a block's position-biased reference that a Lanczos method draws once per
+# model and every sample's certificate then uses: ||T_R|| and two deflations' complements.
+PER_MODEL_NORMS = 3
+
 
 @dataclass(frozen=True)
 class AttentionSensitivity:
@@ -329,6 +333,10 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
     norms = attention_norms(block, softmax)
     zeta, softmax, jacobian = norms.zeta, norms.softmax, norms.jacobian
     matrix_free += (first_order == "lofast") + softmax_jacobian
+    if block.near_reference and w.probabilistic_reference(method):
+        # ||T_R|| and the complements of its two deflations, each a Lanczos bound drawn once
+        # per model (``AttentionSpec.reference_norm``, ``deflation``): counted, used or not
+        matrix_free += PER_MODEL_NORMS
 
     guarantee = method.guarantee if matrix_free else Guarantee.EXACT
     failure = (matrix_free * method.failure_probability

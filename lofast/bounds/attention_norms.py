@@ -29,6 +29,7 @@ from torch import Tensor
 
 from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.coordinate_jacobian import coordinate_first_order_norm, coordinate_jacobian_norm
+from lofast.bounds.deflation import Deflation
 from lofast.bounds.first_order import (
     along_or_default,
     as_float64,
@@ -97,6 +98,17 @@ class BlockAtX:
         return self.lofast and self.refine and self.w.coordinate_attention is not None
 
     @functools.cached_property
+    def reference_norm(self) -> Tensor:
+        """>= ||T_R|| on the tokens' device, with the method's guarantee for a position-biased
+        reference under a Lanczos method, else deterministic (``AttentionSpec.reference_norm``)."""
+        return self.w.reference_norm(self.method, self.generator).to(self.X.device)
+
+    def deflation(self, large: bool = False) -> Deflation:
+        """The reference's deflation for these tokens (``AttentionSpec.deflation``), with the
+        guarantee of ``reference_norm``."""
+        return self.w.deflation(self.X.shape[1], large, self.method, self.generator)
+
+    @functools.cached_property
     def deviation(self) -> Tensor:
         """(B, h) >= ||P_l - R_l|| for the spec's reference attention R_l."""
         reference = self.w.reference_probabilities
@@ -113,7 +125,7 @@ class BlockAtX:
     def along(self) -> Tensor:
         """The unit vector (n d,) of the Rayleigh quotient that tests zeta's looseness."""
         return along_or_default(self.w.first_order_factors, self.probs,
-                                self.w.reference_first_order[1])
+                                self.w.reference_direction)
 
 
 @dataclass
@@ -182,10 +194,9 @@ class NearReference(NormStrategy):
 
     def bound(self, block, bounds, rows):
         reference = block.w.reference_probabilities
-        reference_norm = block.w.reference_first_order[0].to(block.X.device)
         return Candidate(rows, zeta=near_reference_first_order_bound(
             block.probs[rows], None if reference is None else reference.to(block.X.device),
-            reference_norm, block.value_weight_norm, block.deviation[rows]))
+            block.reference_norm, block.value_weight_norm, block.deviation[rows]))
 
 
 class CoordinateFirstOrder(NormStrategy):
@@ -210,8 +221,7 @@ class HeadDeviation(NormStrategy):
         return block.near_reference
 
     def bound(self, block, bounds, rows):
-        return Candidate(rows, zeta=block.w.reference_first_order[0].to(block.X.device)
-                         + block.head_deviation[rows])
+        return Candidate(rows, zeta=block.reference_norm + block.head_deviation[rows])
 
 
 class CentredSoftmax(NormStrategy):
@@ -285,9 +295,8 @@ class DeflatedReference(NormStrategy):
         with_softmax = block.refine and not block.coordinate_jacobian
         deviation = block.head_deviation + (bounds.softmax if with_softmax else 0.0)
         slack = block.method.jacobian_slack if with_softmax else block.method.relative_slack
-        reference_norm = block.w.reference_first_order[0].to(block.X.device)
-        complement = block.w.deflation(block.X.shape[1]).complement.to(block.X.device)
-        return loose & (complement + deviation <= reference_norm * (1.0 + slack))
+        complement = block.deflation().complement.to(block.X.device)
+        return loose & (complement + deviation <= block.reference_norm * (1.0 + slack))
 
     def bound(self, block, bounds, rows):
         projections, output = block.w.jacobian_weights
@@ -297,10 +306,9 @@ class DeflatedReference(NormStrategy):
                             residual=1.0 if block.w.residual else 0.0, scale=float(block.w.scale))
         with_softmax = block.refine and not block.coordinate_jacobian
         softmax = bounds.softmax[rows] if with_softmax else None
-        reference_norm = block.w.reference_first_order[0].to(block.X.device)
         bound, ritz = deflated_first_order_bound(
-            data, block.w.deflation(block.X.shape[1], self.large), reference_norm,
-            block.head_deviation[rows], softmax)
+            data, block.deflation(self.large), block.reference_norm, block.head_deviation[rows],
+            softmax)
         if softmax is None:
             zeta = torch.minimum(bounds.zeta[rows], bound)
             slack = 1.0 + block.method.relative_slack
@@ -326,7 +334,7 @@ class MethodFirstOrder(NormStrategy):
     def bound(self, block, bounds, rows):
         w = block.w
         if block.method.kind == "verified":
-            direction = w.reference_first_order[1]
+            direction = w.reference_direction
             along = block.along if block.near_reference else (
                 None if direction is None else direction.to(block.X.device))
             return Candidate(rows, zeta=verified_first_order_norm(

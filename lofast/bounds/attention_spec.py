@@ -28,18 +28,21 @@ from lofast.bounds.deflation import (
     LARGE_DEFLATION_SIZES,
     Deflation,
     deflate_gram,
+    probabilistic_deflation,
 )
 from lofast.bounds.first_order import (
     FirstOrderFactors,
     as_float64,
     first_order_factors,
     first_order_gram,
+    first_order_maps,
     first_order_negated_gram,
+    reference_top_pair,
     uniform_mix_norm,
     verified_reference_norm,
 )
 from lofast.bounds.plain import PlainAttention
-from lofast.bounds.spectral import matrix_norm_upper
+from lofast.bounds.spectral import SpectralMethod, matrix_norm_upper, operator_norm
 from lofast.bounds.stage import Stage, StageRules
 from lofast.errors import CertificationError
 
@@ -141,10 +144,26 @@ class AttentionSpec(Stage):
         and a unit vector (n d,) near T_R's top right singular vector (None for R = U, where
         the verified zeta's own start 1 (x) v / sqrt(n) is exact)."""
         if self.reference_probabilities is not None:
-            return verified_reference_norm(self.reference_probabilities,
-                                           self.first_order_factors)
+            estimate, direction = self.reference_top_pair
+            return (verified_reference_norm(self.reference_probabilities,
+                                            self.first_order_factors, estimate), direction)
         norm = uniform_mix_norm(as_float64(self.value), as_float64(self.output), self.residual)
         return torch.clamp(norm, min=1.0 if self.residual else 0.0), None
+
+    @functools.cached_property
+    def reference_top_pair(self) -> tuple[Tensor, Tensor]:
+        """Lanczos estimates of T_R's top squared singular value (scaled, (1,)) and right
+        singular vector (n d,), for a position-biased reference (``first_order.reference_top_pair``:
+        no guarantee, no Gram matrix)."""
+        return reference_top_pair(self.reference_probabilities, self.first_order_factors)
+
+    @property
+    def reference_direction(self) -> Tensor | None:
+        """A unit vector near T_R's top right singular vector (n d,), None for the uniform
+        reference (see ``reference_first_order``), without the deterministic proof."""
+        if self.reference_probabilities is None:
+            return None
+        return self.reference_top_pair[1]
 
     @functools.cached_property
     def coordinate_values(self) -> CoordinateValues | None:
@@ -185,14 +204,64 @@ class AttentionSpec(Stage):
         return torch.cat(columns, dim=1).contiguous(), as_float64(self.output).reshape(-1, d)
 
     @functools.cached_property
-    def _deflations(self) -> dict[tuple[int, bool], Deflation]:
+    def _deflations(self) -> dict[tuple, Deflation]:
         return {}
 
-    def deflation(self, tokens: int, large: bool = False) -> Deflation:
+    @functools.cached_property
+    def _probabilistic_reference(self) -> dict[tuple, Tensor]:
+        return {}
+
+    def probabilistic_reference(self, method: SpectralMethod | None) -> bool:
+        """Whether ``reference_norm`` and ``deflation`` take the probabilistic guarantee for
+        ``method``: a Lanczos method and a position bias (the uniform reference's proofs are
+        in closed form or d x d, cheap at any size) on at least PROBABILISTIC_REFERENCE_SIZE
+        coordinates n d."""
+        reference = self.reference_probabilities
+        return (method is not None and method.kind == "lanczos" and reference is not None
+                and reference.shape[-1] * self.width >= PROBABILISTIC_REFERENCE_SIZE)
+
+    def reference_norm(self, method: SpectralMethod | None = None,
+                       generator: torch.Generator | None = None) -> Tensor:
+        """An upper bound on ||T_R||: ``reference_first_order``'s deterministic one, or where
+        ``probabilistic_reference(method)``, randomized Lanczos on T_R without a Gram matrix
+        (``spectral.operator_norm``), an upper bound with probability >= 1 -
+        method.failure_probability over its random start (``_per_model_generator``). Once per
+        method."""
+        if not self.probabilistic_reference(method):
+            return self.reference_first_order[0]
+        key = (method, _seed(generator))
+        if key not in self._probabilistic_reference:
+            reference = self.reference_probabilities
+            apply, adjoint = first_order_maps(reference[None], as_float64(self.value),
+                                              as_float64(self.output), self.residual)
+            self._probabilistic_reference[key] = operator_norm(
+                apply, adjoint, (reference.shape[-1], self.width), 1, _per_model(method),
+                device=reference.device,
+                generator=_per_model_generator(generator, reference.device, 1))[0]
+        return self._probabilistic_reference[key]
+
+    def deflation(self, tokens: int, large: bool = False, method: SpectralMethod | None = None,
+                  generator: torch.Generator | None = None) -> Deflation:
         """``deflation.deflate_gram`` of the reference T_R for ``tokens`` tokens, complement in
         the units of T_R; with ``large``, its size from LARGE_DEFLATION_SIZES. Computed once
-        per token count and size: from the Kronecker Gram of the verified zeta for R_l, and for U from the
-        d x d Gram of its single-token reference (lifted: ``deflate_gram``'s tokens)."""
+        per token count and size: from the Kronecker Gram of the verified zeta for R_l, and for
+        U from the d x d Gram of its single-token reference (lifted: ``deflate_gram``'s
+        tokens). Where ``probabilistic_reference(method)``, matrix-free instead
+        (``deflation.probabilistic_deflation``): its complement holds with probability
+        >= 1 - method.failure_probability over its random start (``_per_model_generator``)."""
+        sizes = LARGE_DEFLATION_SIZES if large else DEFLATION_SIZES
+        if self.probabilistic_reference(method):
+            key = (tokens, large, method, _seed(generator))
+            if key not in self._deflations:
+                reference = self.reference_probabilities
+                apply, adjoint = first_order_maps(reference[None], as_float64(self.value),
+                                                  as_float64(self.output), self.residual)
+                self._deflations[key] = probabilistic_deflation(
+                    first_order_gram(reference[None], self.first_order_factors), apply,
+                    adjoint, (reference.shape[-1], self.width), _per_model(method),
+                    _per_model_generator(generator, reference.device, 3 if large else 2),
+                    reference.device, sizes)
+            return self._deflations[key]
         if (tokens, large) not in self._deflations:
             f = self.first_order_factors
             reference = self.reference_probabilities
@@ -202,7 +271,6 @@ class AttentionSpec(Stage):
                                        device=self.value.device)
                 lift = {"tokens": tokens, "rest": float(f.residual)}
             negated, error = first_order_negated_gram(reference[None], f)
-            sizes = LARGE_DEFLATION_SIZES if large else DEFLATION_SIZES
             deflation = deflate_gram(
                 negated[0], float(error[0]), first_order_gram(reference[None], f), sizes,
                 overwrite=True,
@@ -210,3 +278,38 @@ class AttentionSpec(Stage):
             self._deflations[tokens, large] = dataclasses.replace(
                 deflation, complement=deflation.complement * f.unit)
         return self._deflations[tokens, large]
+
+
+def _per_model_generator(generator: torch.Generator | None, device: torch.device,
+                         offset: int) -> torch.Generator:
+    """A generator of its own for a per-model random start, seeded from the certifier's seed
+    (``generator.initial_seed()``, 0 without one) plus ``offset``: the draw, and so every
+    sample's certificate, does not depend on which batch first needs the quantity, and the
+    certifier's own stream of per-sample starts is left as it was."""
+    return torch.Generator(device=device).manual_seed(_seed(generator) + offset)
+
+
+def _seed(generator: torch.Generator | None) -> int:
+    """The seed the per-model draws derive from: the certifier's, 0 without a generator."""
+    return generator.initial_seed() if generator is not None else 0
+
+
+# From this many coordinates n d of a position-biased reference on, a Lanczos method draws the
+# reference's per-model bounds by Lanczos instead of Cholesky proofs of (n d)^2 Gram matrices
+# (two CPU threads: at n d = 4,352, the default, the proofs took 3.3 s per model and Lanczos
+# 5.8; at 8,320, 65 tokens, 13.2 s against 8.1; the proofs grow as (n d)^3, Lanczos as (n d)).
+PROBABILISTIC_REFERENCE_SIZE = 6144
+
+# The relative slack of the per-model Lanczos bounds (at most the method's own): they enter every
+# sample's bound, and a near-reference bound must come within the method's slack of its
+# Rayleigh quotient to settle a sample. At the default's 1e-3 no sample of the 65-token model
+# settled (219 ms a sample against 48); at 1e-4 the 912 Lanczos steps a bound (N = 8,320,
+# failure probability 1e-9; their reorthogonalisation is memory-bound) took 20 s per model;
+# 3e-4 takes 527 steps, 8 s.
+PER_MODEL_SLACK = 3e-4
+
+
+def _per_model(method: SpectralMethod) -> SpectralMethod:
+    """``method`` with relative_slack at most PER_MODEL_SLACK, for the per-model bounds."""
+    return dataclasses.replace(method, relative_slack=min(method.relative_slack,
+                                                          PER_MODEL_SLACK))

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from lofast.bounds.krylov import LinearMap, fixed_unit_vector, lanczos_ritz, lanczos_ritz_vectors
-from lofast.bounds.spectral import ROUNDING_MARGIN
+from lofast.bounds.spectral import ROUNDING_MARGIN, SpectralMethod, operator_norm
 from lofast.bounds.verified import (
     GRAM_BLOCKS,
     SUBNORMAL,
@@ -155,32 +155,11 @@ def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = No
         values, vectors = torch.linalg.eigh(S)  # ascending
         values, vectors = values.flip(0)[: largest + 1], vectors.flip(1)[:, : largest + 1].mT
     else:
-        steps = min(size, RITZ_STEPS_PER_VECTOR * largest + 20)
-        values, vectors = lanczos_ritz_vectors(gram, fixed_unit_vector(size, device)[None],
-                                               steps, min(largest + 1, steps))
-        values, vectors = values[0], vectors[0]
+        values, vectors = _top_ritz_pairs(gram, size, largest, device)
     top = float(values[0].clamp_min(0.0))
-    chosen = largest
-    for candidate in sizes:
-        if candidate < min(largest, len(values) - 1) and \
-                float(values[candidate]) <= (1.0 - DEFLATION_GAP) ** 2 * top:
-            chosen = candidate
-            break
-    count = min(chosen, len(values) - 1, size - 1)
-    basis = torch.linalg.qr(vectors[:count].mT).Q.contiguous()  # (N, k)
-    if tokens > 1:  # W: the single-token basis scaled so that V = 1 (x) W is nearly orthonormal
-        basis = basis * (1.0 / math.sqrt(tokens))
+    basis, eta = _orthonormal_basis(values, vectors, sizes, tokens)
+    count = basis.shape[1]
     frobenius = float(torch.linalg.vector_norm(basis)) * (1.0 + 2.0 ** -40)
-    # ||V^T V - I||_2 <= ||fl(V^T V) - I||_F + gamma_N ||V||_F^2 (rounding of the product); for
-    # V = 1 (x) W, V^T V = n W^T W exactly, and fl(n fl(W^T W)) adds u n ||W^T W||_F
-    eye = torch.eye(count, dtype=torch.float64, device=device)
-    product_k = basis.mT @ basis
-    eta = (float(torch.linalg.vector_norm(tokens * product_k - eye)) * (1.0 + 2.0 ** -40)
-           + tokens * gamma(size + 2) * frobenius ** 2 + count * count * UNIT_ROUNDOFF
-           + (tokens * UNIT_ROUNDOFF * float(torch.linalg.vector_norm(product_k))
-              * (1.0 + 2.0 ** -40) if tokens > 1 else 0.0))
-    if not eta < 1e-6:
-        raise ValueError(f"deflation basis is not orthonormal (||V^T V - I|| <= {eta:.3g})")
     # a power of two >= 2 top / ||w_j||^2 for W's columns (squared norms about 1 / tokens)
     shift = math.ldexp(1.0, math.frexp(max(2.0 * top * tokens * (1.0 + 1e-6), 2.0 ** -500))[1])
     # lower triangle: -(S - g V V^T), rounded. Either triangle of the computed V V^T holds
@@ -240,6 +219,80 @@ def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = No
         basis = basis.repeat(tokens, 1)  # row i d + j of vec(G): token i, coordinate j
     return Deflation(basis=basis, orthogonality=eta, complement=complement,
                      ritz=values[: count + 1].clone())
+
+
+def _top_ritz_pairs(gram: LinearMap, size: int, largest: int,
+                    device: torch.device) -> tuple[Tensor, Tensor]:
+    """Estimates of the largest + 1 top eigenpairs of the PSD map gram on R^size: Ritz values
+    (descending) and unit Ritz vectors (largest + 1, size), by Lanczos from a fixed start."""
+    steps = min(size, RITZ_STEPS_PER_VECTOR * largest + 20)
+    values, vectors = lanczos_ritz_vectors(gram, fixed_unit_vector(size, device)[None], steps,
+                                           min(largest + 1, steps))
+    return values[0], vectors[0]
+
+
+def _orthonormal_basis(values: Tensor, vectors: Tensor, sizes: tuple[int, ...],
+                       tokens: int = 1) -> tuple[Tensor, float]:
+    """The deflation basis V (N, k) from estimated top eigenpairs (values descending, vectors
+    (m, N)): k the smallest of ``sizes`` after which the values have fallen by DEFLATION_GAP
+    (else the largest possible), the vectors orthonormalised by QR (scaled by fl(1/sqrt(n)) for
+    the single-token basis W of V = 1 (x) W, ``deflate_gram``'s tokens), and
+    eta >= ||V^T V - I||_2 (raises ValueError above 1e-6)."""
+    size = vectors.shape[1]
+    largest = min(max(sizes), size - 1)
+    top = float(values[0].clamp_min(0.0))
+    chosen = largest
+    for candidate in sizes:
+        if candidate < min(largest, len(values) - 1) and \
+                float(values[candidate]) <= (1.0 - DEFLATION_GAP) ** 2 * top:
+            chosen = candidate
+            break
+    count = min(chosen, len(values) - 1, size - 1)
+    basis = torch.linalg.qr(vectors[:count].mT).Q.contiguous()  # (N, k)
+    if tokens > 1:  # W: the single-token basis scaled so that V = 1 (x) W is nearly orthonormal
+        basis = basis * (1.0 / math.sqrt(tokens))
+    frobenius = float(torch.linalg.vector_norm(basis)) * (1.0 + 2.0 ** -40)
+    # ||V^T V - I||_2 <= ||fl(V^T V) - I||_F + gamma_N ||V||_F^2 (rounding of the product); for
+    # V = 1 (x) W, V^T V = n W^T W exactly, and fl(n fl(W^T W)) adds u n ||W^T W||_F
+    eye = torch.eye(count, dtype=torch.float64, device=basis.device)
+    product_k = basis.mT @ basis
+    eta = (float(torch.linalg.vector_norm(tokens * product_k - eye)) * (1.0 + 2.0 ** -40)
+           + tokens * gamma(size + 2) * frobenius ** 2 + count * count * UNIT_ROUNDOFF
+           + (tokens * UNIT_ROUNDOFF * float(torch.linalg.vector_norm(product_k))
+              * (1.0 + 2.0 ** -40) if tokens > 1 else 0.0))
+    if not eta < 1e-6:
+        raise ValueError(f"deflation basis is not orthonormal (||V^T V - I|| <= {eta:.3g})")
+    return basis, eta
+
+
+def probabilistic_deflation(gram: LinearMap, apply: LinearMap, adjoint: LinearMap,
+                            shape: tuple[int, int], method: SpectralMethod,
+                            generator: torch.Generator | None, device: torch.device,
+                            sizes: tuple[int, ...] = DEFLATION_SIZES) -> Deflation:
+    """``deflate_gram``'s deflation of a reference T_R with the probabilistic guarantee and no
+    explicit matrix: the basis V from Lanczos Ritz vectors of gram = T_R^T T_R (matrix-free,
+    (1, N) -> (1, N)), the complement from randomized Lanczos (``spectral.operator_norm`` with
+    a Lanczos ``method``) on T_R (I - V V^T), given as apply / adjoint on (1, *shape) with
+    N = prod(shape) (row-major vectors, V's rows).
+
+    Claim: with probability >= 1 - method.failure_probability over the start drawn from
+    ``generator``, complement >= sup ||T_R w|| over unit w orthogonal to range(V). For such w,
+    (I - V V^T) w = w exactly, whatever V, so ||T_R w|| <= ||T_R (I - V V^T)||, which the
+    Lanczos bound covers. Forming (I - V V^T) G rounds by at most gamma_(N+k+1) (1 + ||V||_F^2)
+    ||G||, below 2e-9 ||G|| for N <= 33,000 and k <= 512: inside the bound's ROUNDING_MARGIN,
+    as the products with T_R are."""
+    size = math.prod(shape)
+    largest = min(max(sizes), size - 1)
+    values, vectors = _top_ritz_pairs(gram, size, largest, device)
+    basis, eta = _orthonormal_basis(values, vectors, sizes)
+    def project(G: Tensor) -> Tensor:  # (I - V V^T) G on (B, *shape)
+        vec = G.reshape(G.shape[0], size)
+        return (vec - (vec @ basis) @ basis.mT).reshape(G.shape)
+
+    complement = operator_norm(lambda G: apply(project(G)), lambda Y: project(adjoint(Y)),
+                               shape, 1, method, device=device, generator=generator)[0]
+    return Deflation(basis=basis, orthogonality=eta, complement=complement,
+                     ritz=values[: basis.shape[1] + 1].clone())
 
 
 def deflated_norm_bound(Y: Tensor, Z: Tensor, deflation: Deflation, deviation: Tensor,

@@ -331,23 +331,30 @@ def reference_deviation_norms(probs: Tensor, reference: Tensor | None) -> Tensor
     return matrix_norm_upper(deviation) + rounding
 
 
-def verified_reference_norm(reference: Tensor, f: FirstOrderFactors) -> tuple[Tensor, Tensor]:
-    """For one fixed attention R (h, n, n) float64 and T_R(G) = H G + sum_l R_l G Wv_l Wo_l: a
-    deterministic upper bound on ||T_R|| (a float64 scalar tensor) by the verified zeta's Gram
-    matrix and Cholesky proof, at a small slack (it is computed once per block and enters every
-    sample's bound), and an estimate of T_R's top right singular vector (n d,) by Lanczos, the
-    start of the verified zeta near R."""
+def reference_top_pair(reference: Tensor, f: FirstOrderFactors) -> tuple[Tensor, Tensor]:
+    """For one fixed attention R (h, n, n) float64: Lanczos estimates (no guarantee) of
+    lambda_max(T'^T T') (1,) (``FirstOrderFactors``' scaled T_R) and of T_R's top right singular
+    vector (n d,), the start of the verified zeta near R and of its Rayleigh quotient test."""
     n, d = reference.shape[-1], f.value.shape[1]
     start = (f.direction / math.sqrt(n)).repeat(n) + START_NOISE * fixed_unit_vector(n * d,
                                                                                    f.value.device)
     start = start / torch.linalg.vector_norm(start)
     estimate, direction = lanczos_ritz_pair(first_order_gram(reference[None], f), start[None],
                                             min(REFERENCE_LANCZOS_STEPS, n * d))
+    return estimate, direction[0]
+
+
+def verified_reference_norm(reference: Tensor, f: FirstOrderFactors,
+                            estimate: Tensor) -> Tensor:
+    """For one fixed attention R (h, n, n) float64 and T_R(G) = H G + sum_l R_l G Wv_l Wo_l: a
+    deterministic upper bound on ||T_R|| (a float64 scalar tensor) by the verified zeta's Gram
+    matrix and Cholesky proof, at a small slack (it is computed once per block and enters every
+    sample's bound); estimate (1,): ``reference_top_pair``'s."""
     negated, error = first_order_negated_gram(reference[None], f)
     verified = verified_norm_from_negated_gram(
         negated, relative_slack=REFERENCE_SLACK, gram_error=error, estimate=estimate,
         lower_only=True, rebuild=lambda rows: first_order_negated_gram(reference[None], f)[0])
-    return verified[0] * f.unit, direction[0]
+    return verified[0] * f.unit
 
 
 def first_order_estimate(probs: Tensor, f: FirstOrderFactors, start: Tensor,
