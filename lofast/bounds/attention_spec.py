@@ -41,6 +41,7 @@ from lofast.bounds.first_order import (
     uniform_mix_norm,
     verified_reference_norm,
 )
+from lofast.bounds.krylov import LinearMap
 from lofast.bounds.plain import PlainAttention
 from lofast.bounds.spectral import SpectralMethod, matrix_norm_upper, operator_norm
 from lofast.bounds.stage import Stage, StageRules
@@ -232,13 +233,17 @@ class AttentionSpec(Stage):
         key = (method, _seed(generator))
         if key not in self._probabilistic_reference:
             reference = self.reference_probabilities
-            apply, adjoint = first_order_maps(reference[None], as_float64(self.value),
-                                              as_float64(self.output), self.residual)
+            apply, adjoint = self._reference_maps()
             self._probabilistic_reference[key] = operator_norm(
                 apply, adjoint, (reference.shape[-1], self.width), 1, _per_model(method),
                 device=reference.device,
                 generator=_per_model_generator(generator, reference.device, 1))[0]
         return self._probabilistic_reference[key]
+
+    def _reference_maps(self) -> tuple[LinearMap, LinearMap]:
+        """T_R and its adjoint on (1, n, d) for the position-biased reference, matrix-free."""
+        return first_order_maps(self.reference_probabilities[None], as_float64(self.value),
+                                as_float64(self.output), self.residual)
 
     def deflation(self, tokens: int, large: bool = False, method: SpectralMethod | None = None,
                   generator: torch.Generator | None = None) -> Deflation:
@@ -254,8 +259,7 @@ class AttentionSpec(Stage):
             key = (tokens, large, method, _seed(generator))
             if key not in self._deflations:
                 reference = self.reference_probabilities
-                apply, adjoint = first_order_maps(reference[None], as_float64(self.value),
-                                                  as_float64(self.output), self.residual)
+                apply, adjoint = self._reference_maps()
                 self._deflations[key] = probabilistic_deflation(
                     first_order_gram(reference[None], self.first_order_factors), apply,
                     adjoint, (reference.shape[-1], self.width), _per_model(method),

@@ -285,6 +285,7 @@ def probabilistic_deflation(gram: LinearMap, apply: LinearMap, adjoint: LinearMa
     largest = min(max(sizes), size - 1)
     values, vectors = _top_ritz_pairs(gram, size, largest, device)
     basis, eta = _orthonormal_basis(values, vectors, sizes)
+
     def project(G: Tensor) -> Tensor:  # (I - V V^T) G on (B, *shape)
         vec = G.reshape(G.shape[0], size)
         return (vec - (vec @ basis) @ basis.mT).reshape(G.shape)
@@ -367,7 +368,7 @@ def deflated_norm_bound(Y: Tensor, Z: Tensor, deflation: Deflation, deviation: T
 
 # _joint_top: fixed-point steps on k x k matrices before the 2k x 2k eigensolver is used instead
 # (one 2k eigensolver costs about five k x k ones), and the relative agreement they must reach
-# (below TRIAL_STEPS' first increment, so the first trial starts above t*).
+# (below TRIAL_STEPS' first increment: the estimate, the upper iterate, exceeds t* by less).
 JOINT_STEPS = 3
 JOINT_TOLERANCE = 1e-10
 
