@@ -8,9 +8,9 @@
 
 ``certify`` runs what ``lofast certify`` runs: it builds the same ``config.CertifyConfig``,
 checked by the same rules (``errors.ConfigError`` for a bad argument), and calls the same
-driver, ``pipeline.run_certify``, with the same defaults (the exact guarantee,
-``config.CERTIFY_DEFAULTS``), on the same samples (the first ``n`` of the class-balanced
-order); fallback, attack, record file, resume, shard and attention report included.
+driver, ``pipeline.run_certify``, with the same defaults (``config.CERTIFY_DEFAULTS``; the
+guarantee "auto" is exact for the shipped models), on the same samples (the first ``n`` of the
+class-balanced order); fallback, attack, record file, resume, shard and attention report included.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import lofast
 from lofast.bounds.spectral import Guarantee, SpectralMethod
 from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.cli.certify_cmd import certify as certify_command
-from lofast.config import CERTIFY_DEFAULTS, GUARANTEES
+from lofast.config import CERTIFY_DEFAULTS, GUARANTEE_CHOICES, GUARANTEES
 from lofast.errors import CertificationError
 
 
@@ -32,7 +32,7 @@ def test_library_and_cli_read_one_set_of_defaults():
     settings = CertifySettings()
     for name in ("guarantee", "bound", "kappa", "softmax_jacobian", "local_projection", "seed"):
         assert getattr(settings, name) == getattr(CERTIFY_DEFAULTS, name), name
-    assert settings.method.kind == GUARANTEES["exact"] and settings.guarantee == "exact"
+    assert settings.guarantee == "auto" and settings.method is None  # resolved per model
     assert Certifier.__init__.__defaults__[0] is None  # Certifier(model) takes CertifySettings()
     options = {p.name: p.default for p in certify_command.params}
     assert options["guarantee"] == CERTIFY_DEFAULTS.guarantee
@@ -54,6 +54,9 @@ def test_one_vocabulary_for_guarantees():
         CertifySettings(guarantee="exact", method=SpectralMethod(kind="lanczos"))
     with pytest.raises(CertificationError, match="unknown guarantee"):
         CertifySettings(guarantee="deterministic")
+    assert set(GUARANTEE_CHOICES) == {"auto", *GUARANTEES}
+    options = {p.name: p for p in certify_command.params}
+    assert list(options["guarantee"].type.choices) == list(GUARANTEE_CHOICES)
 
 
 def test_api_takes_models_and_data_sets(one_thread, checkpoint, data_dir):

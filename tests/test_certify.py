@@ -12,9 +12,11 @@ from lofast.bounds.stages import radius_maps
 from lofast.certification.attack import pgd_l2
 from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.checkpoint import default_checkpoint_path, load_checkpoint
+from lofast.config import preset
 from lofast.data.sample import load_bundled_sample
 from lofast.errors import CertificationError
 from lofast.models.layers import SLL, PatchEmbed
+from lofast.models.vit import create_model
 
 EPS = torch.tensor([0.02, 0.05, 0.1, 0.2], dtype=torch.float64)
 
@@ -152,6 +154,7 @@ def test_jacobian_slack_is_checked_and_named():
     settings = CertifySettings(jacobian_slack=0.1, guarantee="probabilistic")
     assert settings.method.jacobian_slack == 0.1 and settings.method.kind == "lanczos"
     assert settings.describe() == "lofast + softmax Jacobian, Jacobian slack 0.1"
+    assert CertifySettings(jacobian_slack=0.1).describe() == settings.describe()  # "auto"
 
 
 @pytest.mark.parametrize("kind, model_name", [("lanczos", "trained"), ("verified", "trained"),
@@ -374,3 +377,28 @@ def test_non_finite_position_bias_is_refused_by_the_certifier():
     x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with pytest.raises((CertificationError, ValueError), match="NaN"):
         Certifier(model).certify(x, torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("patch, width, chosen", [(8, 256, "exact"), (4, 96, "probabilistic")])
+def test_auto_guarantee_is_exact_unless_the_model_is_large(patch, width, chosen):
+    """The default guarantee "auto" resolves per model: exact for the shipped shape (17 tokens
+    of width 256: 4,352 coordinates a block), probabilistic from 6,144 on (65 tokens of width
+    96: 6,240), where (n d)^2 Gram matrices grow too costly; the certificate and the settings
+    say which was taken, and a guarantee given by name is kept whatever the size."""
+    model = create_model(preset("lofast-s", depth=1, width=width, patch_size=patch,
+                                position_bias=True), seed=0).eval()
+    certifier = Certifier(model)
+    settings = certifier.settings
+    assert CertifySettings().guarantee == "auto" and settings.guarantee == chosen
+    assert settings.method.guarantee is Guarantee(chosen)
+    tokens = model.config.num_tokens
+    assert f"{tokens} tokens x width {width} = {tokens * width:,}" in settings.automatic
+    x = load_bundled_sample().subset(range(2)).to_tensors()[0]
+    with torch.no_grad():
+        y = model(x).argmax(dim=1)
+    certificate = certifier.certify(x, y)
+    assert certificate.guarantee is Guarantee(chosen)
+    assert (certificate.failure_probability > 0) == (chosen == "probabilistic")
+    for name in ("exact", "probabilistic"):
+        kept = Certifier(model, CertifySettings(guarantee=name)).settings
+        assert kept.guarantee == name and kept.automatic is None

@@ -6,6 +6,7 @@ every bound are computed in float64 from the effective weights the model reports
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import torch
 from torch import Tensor
 
 from lofast.bounds.attention import AttentionSensitivity, attention_sensitivity
-from lofast.bounds.attention_spec import AttentionSpec
+from lofast.bounds.attention_spec import PROBABILISTIC_REFERENCE_SIZE, AttentionSpec
 from lofast.bounds.compose import RadiusMap, certified_radius, head_certified, propagate
 from lofast.bounds.spectral import (
     JACOBIAN_SLACK,
@@ -24,7 +25,14 @@ from lofast.bounds.spectral import (
     weakest_guarantee,
 )
 from lofast.bounds.stages import EmbedSpec, HeadSpec, radius_maps
-from lofast.config import CERTIFY_DEFAULTS, GUARANTEES, KAPPAS, Bound
+from lofast.config import (
+    AUTOMATIC_GUARANTEE,
+    CERTIFY_DEFAULTS,
+    GUARANTEE_CHOICES,
+    GUARANTEES,
+    KAPPAS,
+    Bound,
+)
 from lofast.errors import CertificationError
 from lofast.models.vit import LipschitzViT
 
@@ -38,6 +46,23 @@ BOUND_TERMS = {
 assert tuple(BOUND_TERMS) == tuple(Bound)
 
 
+def automatic_guarantee(model: LipschitzViT) -> tuple[str, str]:
+    """The guarantee "auto" takes for ``model``, and why in words: "exact" while its attention blocks act on
+    fewer than PROBABILISTIC_REFERENCE_SIZE coordinates (n tokens x width d), "probabilistic"
+    from there on. The exact guarantee's proofs factor (n d)^2 Gram matrices, in (n d)^3 / 3
+    flops and 8 (n d)^2 bytes: once per model for a position-biased reference, and per sample
+    where the cheap bounds are loose (two CPU threads: 3 s per model at 17 tokens of width 256;
+    12 s at 65 tokens of width 128, against 8 s by Lanczos; at 256 tokens of width 128, 8.6 GB
+    a matrix). The probabilistic guarantee keeps the deterministic bounds where they are tight
+    and replaces each such proof by randomized Lanczos, whose cost grows as n d."""
+    config = model.config
+    size = config.num_tokens * config.width
+    large = size >= PROBABILISTIC_REFERENCE_SIZE
+    reason = (f"auto: {config.num_tokens} tokens x width {config.width} = {size:,} coordinates "
+              f"a block, {'at least' if large else 'below'} {PROBABILISTIC_REFERENCE_SIZE:,}")
+    return ("probabilistic" if large else "exact"), reason
+
+
 def guarantee_name(method: SpectralMethod) -> str:
     """The guarantee a spectral method delivers, by its user-facing name (``config.GUARANTEES``)."""
     return method.guarantee.value
@@ -48,10 +73,14 @@ class CertifySettings:
     """How to certify; the defaults are the CLI's (``config.CERTIFY_DEFAULTS``).
 
     guarantee names what the norms are ("exact", "probabilistic" or "estimate") and picks the
-    spectral method; a ``method`` given instead (e.g. dense norms in tests) sets the guarantee.
-    jacobian_slack: the method's (``spectral.SpectralMethod``), how far above its estimate the
-    cheap deflated bound on a live attention block's Jacobian may lie before per-sample proofs
-    are made; None keeps the method's (by default 0.01).
+    spectral method; "auto" (the default) leaves the choice to ``for_model``, which the
+    ``Certifier`` calls: exact unless the model's blocks are too large for its proofs
+    (``automatic_guarantee``); method is None until then. A ``method`` given instead (e.g.
+    dense norms in tests) sets the guarantee. jacobian_slack: the method's
+    (``spectral.SpectralMethod``), how far above its estimate the cheap deflated bound on a live
+    attention block's Jacobian may lie before per-sample proofs are made; None keeps the
+    method's (by default 0.01). automatic: set by ``for_model`` when "auto" chose the
+    guarantee, the reason in words.
     """
 
     bound: Bound = CERTIFY_DEFAULTS.bound
@@ -62,24 +91,26 @@ class CertifySettings:
     softmax_jacobian: bool = CERTIFY_DEFAULTS.softmax_jacobian
     seed: int = CERTIFY_DEFAULTS.seed
     jacobian_slack: float | None = None
+    automatic: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bound", Bound.parse("bound", self.bound, CertificationError))
         if self.kappa not in KAPPAS:
             raise CertificationError("kappa must be 0.5 (tight) or 1 (the paper's)")
-        if self.guarantee is not None and self.guarantee not in GUARANTEES:
+        if self.guarantee is not None and self.guarantee not in GUARANTEE_CHOICES:
             raise CertificationError(f"unknown guarantee {self.guarantee!r}; choose from "
-                                     f"{', '.join(GUARANTEES)}")
+                                     f"{', '.join(GUARANTEE_CHOICES)}")
         slack = self.jacobian_slack
         if self.method is None:  # frozen: fill in the derived fields once
             guarantee = self.guarantee or CERTIFY_DEFAULTS.guarantee
             object.__setattr__(self, "guarantee", guarantee)
             try:  # the method checks the slack (one check for the CLI and the API)
-                method = SpectralMethod(kind=GUARANTEES[guarantee], **(
+                method = SpectralMethod(kind=GUARANTEES.get(guarantee, "verified"), **(
                     {} if slack is None else {"jacobian_slack": slack}))
             except ValueError as error:
                 raise CertificationError(str(error)) from None
-            object.__setattr__(self, "method", method)
+            if guarantee != AUTOMATIC_GUARANTEE:
+                object.__setattr__(self, "method", method)
         elif slack is not None and slack != self.method.jacobian_slack:
             raise CertificationError(f"jacobian_slack {slack!r} differs from the given method's "
                                      f"{self.method.jacobian_slack!r}")
@@ -90,12 +121,22 @@ class CertifySettings:
         else:
             object.__setattr__(self, "guarantee", guarantee_name(self.method))
 
+    def for_model(self, model: LipschitzViT) -> CertifySettings:
+        """These settings with "auto" resolved for ``model`` (``automatic_guarantee``); settings
+        with a guarantee of their own are returned as they are."""
+        if self.guarantee != AUTOMATIC_GUARANTEE:
+            return self
+        guarantee, reason = automatic_guarantee(model)
+        return dataclasses.replace(self, guarantee=guarantee, automatic=reason)
+
     def describe(self) -> str:
         """The bound's name, as summaries report it (and records: a run resumes only with the
         same), with a Jacobian slack other than the default."""
         name = f"{self.bound} + softmax Jacobian" if self.softmax_jacobian else str(self.bound)
-        if self.method.jacobian_slack != JACOBIAN_SLACK:
-            name += f", Jacobian slack {self.method.jacobian_slack:g}"
+        slack = (self.method.jacobian_slack if self.method is not None  # None: "auto"
+                 else self.jacobian_slack if self.jacobian_slack is not None else JACOBIAN_SLACK)
+        if slack != JACOBIAN_SLACK:
+            name += f", Jacobian slack {slack:g}"
         return name
 
 
@@ -166,12 +207,14 @@ class Certifier:
     """Certifies batches of images for one model; per-model quantities are computed once.
 
     ``Certifier(model)`` certifies as ``lofast certify`` does by default: the LoFAST bound with
-    the softmax refinement, kappa 1/2, and the exact guarantee (deterministic upper bounds).
+    the softmax refinement, kappa 1/2, and the guarantee "auto" resolved for the model
+    (``CertifySettings.for_model``: deterministic upper bounds unless the model is too large
+    for their proofs); ``settings`` holds the resolved settings.
     """
 
     def __init__(self, model: LipschitzViT, settings: CertifySettings | None = None,
                  device: torch.device | str = "cpu") -> None:
-        self.settings = settings or CertifySettings()
+        self.settings = (settings or CertifySettings()).for_model(model)
         self.device = torch.device(device)
         self.model = model.frozen_float64(self.device)
         # specs on the certifier's device. They hold the per-model proofs (an attention spec's

@@ -100,8 +100,8 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
     model, metadata, digest = load_source(config.checkpoint)
     data, order = load_samples(model, metadata, config.data, config.dataset, config.split,
                                config.limit, config.classes_unchecked)
-    settings = config.settings or CertifySettings()
-    certifier = Certifier(model, settings, device)
+    certifier = Certifier(model, config.settings, device)
+    settings = certifier.settings  # "auto" resolved for the model
     run = run_settings(digest, data, config.split, settings, config.fallback or "none",
                        config.fallback_timeout, config.attack)
     if shard is not None:  # which part of how many samples: a merge checks it is complete
@@ -406,6 +406,8 @@ def _batch_records(certifier: Certifier, images: Tensor, labels: Tensor, indices
 def guarantee_text(settings: CertifySettings, failure_probability: float) -> str:
     """The summary's line on what the certificates guarantee."""
     text = settings.method.describe()
+    if settings.automatic:
+        text += f" ({settings.automatic})"
     if failure_probability > 0:
         text += f"; per-sample failure probability <= {failure_probability:.1e}"
     return text

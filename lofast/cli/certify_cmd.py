@@ -15,7 +15,7 @@ from lofast.config import (
     CERTIFY_DEFAULTS,
     DATASETS,
     FALLBACKS,
-    GUARANTEES,
+    GUARANTEE_CHOICES,
     KAPPAS,
     MAX_ATTACK_RESTARTS,
     MAX_ATTACK_STEPS,
@@ -91,11 +91,13 @@ class Shard(click.ParamType):
 @click.option("--kappa", type=click.Choice([f"{k:g}" for k in KAPPAS]),
               default=f"{CERTIFY_DEFAULTS.kappa:g}", show_default=True,
               help="Softmax Lipschitz constant: 0.5 (tight) or 1 (the paper's).")
-@click.option("--guarantee", type=click.Choice(list(GUARANTEES)),
+@click.option("--guarantee", type=click.Choice(list(GUARANTEE_CHOICES)),
               default=CERTIFY_DEFAULTS.guarantee, show_default=True,
               help="exact: float64 Cholesky-verified norms (deterministic, rounding bounded "
                    "rigorously); probabilistic: randomized Lanczos, each norm an upper bound "
-                   "with probability >= 1 - 1e-9; estimate: power iteration, NOT a certificate.")
+                   "with probability >= 1 - 1e-9; estimate: power iteration, NOT a certificate; "
+                   "auto: exact unless the model's blocks (tokens x width) are too large for its "
+                   "proofs, then probabilistic; the summary says which.")
 @click.option("--fallback", type=click.Choice(["none", *FALLBACKS]),
               default="none", show_default=True,
               help="Run a verifier from auto_LiRPA on the samples LoFAST leaves uncertified: "

@@ -8,10 +8,12 @@ it imports torch, so the command line reads its option defaults from here at no 
 """
 
 from lofast.config.base import (
+    AUTOMATIC_GUARANTEE,
     BOUNDS,
     CERTIFY_DEFAULTS,
     DATASETS,
     FALLBACKS,
+    GUARANTEE_CHOICES,
     GUARANTEES,
     KAPPAS,
     MAX_ATTACK_RESTARTS,
@@ -41,11 +43,13 @@ from lofast.config.training import TrainConfig, TrainRun
 from lofast.errors import ConfigError
 
 __all__ = [
+    "AUTOMATIC_GUARANTEE",
     "BOUNDS",
     "CERTIFY_DEFAULTS",
     "DATASETS",
     "FALLBACKS",
     "GUARANTEES",
+    "GUARANTEE_CHOICES",
     "INIT_OPTIONS",
     "KAPPAS",
     "MAX_ATTACK_RESTARTS",

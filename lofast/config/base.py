@@ -68,6 +68,10 @@ def plain_dict(config: Any) -> dict[str, Any]:
 # the CLI alike. A guarantee says what every norm in a certificate is (``bounds.spectral.
 # Guarantee`` has the same values) and names the spectral method that delivers it.
 GUARANTEES = {"exact": "verified", "probabilistic": "lanczos", "estimate": "power"}
+# "auto" picks one of them per model (``certificate.automatic_guarantee``): exact where its
+# proofs are affordable, probabilistic where (n d)^2 Gram matrices would not be.
+AUTOMATIC_GUARANTEE = "auto"
+GUARANTEE_CHOICES = (AUTOMATIC_GUARANTEE, *GUARANTEES)
 BOUNDS = tuple(b.value for b in Bound)  # see ``certificate.BOUND_TERMS``
 KAPPAS = (0.5, 1.0)  # softmax Lipschitz constants: 1/2 is tight and sound, 1 is the paper's
 
@@ -76,7 +80,7 @@ KAPPAS = (0.5, 1.0)  # softmax Lipschitz constants: 1/2 is tight and sound, 1 is
 class CertifyDefaults:
     """What ``lofast certify`` and ``certificate.Certifier`` do when not told otherwise."""
 
-    guarantee: str = "exact"
+    guarantee: str = AUTOMATIC_GUARANTEE
     bound: Bound = Bound.LOFAST
     kappa: float = 0.5
     softmax_jacobian: bool = True  # the second-order refinement of ``bounds.attention``
