@@ -449,3 +449,34 @@ def test_gram_by_lower_row_blocks_is_the_gram(rows, inner):
         deviation = np.abs(gram.numpy().astype(np.longdouble) - reference).astype(np.float64)
         assert (np.linalg.norm(deviation, ord=2, axis=(1, 2)) <= error.numpy()).all()
         assert torch.equal(gram, gram.mT)
+
+
+@pytest.mark.parametrize("size", [1, 7, 200])
+def test_smallest_eigenvalue_exceeds_proves_only_true_floors(size):
+    """``verified.smallest_eigenvalue_exceeds`` against the known spectrum of Q diag(lambda) Q^T:
+    True where lambda_min clears the floor by 1e-9 of the scale, False where it lies below the
+    floor by 1e-10 or more (the floor is a bound's rounding terms: dropping it would pass those),
+    on the lower triangle alone, and the input is left as it was."""
+    g = torch.Generator().manual_seed(size)
+    floors = torch.tensor([0.0, 0.5, 0.5, 2.0, 0.0, 1e-3], dtype=torch.float64)
+    lowest = floors + torch.tensor([1e-9, 1e-9, -1e-10, -1e-3, -1e-6, 1e-9], dtype=torch.float64)
+    Q = torch.linalg.qr(torch.randn(len(floors), size, size, generator=g,
+                                    dtype=torch.float64)).Q
+    spectrum = lowest[:, None] + torch.rand(len(floors), size, generator=g,
+                                            dtype=torch.float64) * 3.0
+    spectrum[:, 0] = lowest
+    A = (Q * spectrum[:, None, :]) @ Q.mT
+    A = torch.tril(A) + torch.tril(A, -1).mT  # exactly symmetric, spectrum up to 1e-13
+    expected = torch.tensor([True, True, False, False, False, True])
+    before = A.clone()
+    assert torch.equal(verified.smallest_eigenvalue_exceeds(A, floors), expected)
+    assert torch.equal(A, before)  # not modified
+    lower = torch.tril(A) + torch.triu(torch.full_like(A, math.nan), 1)  # never read
+    assert torch.equal(verified.smallest_eigenvalue_exceeds(lower, floors), expected)
+    kept = A
+    # a NaN or infinite floor, or a NaN matrix, proves nothing
+    bad = verified.smallest_eigenvalue_exceeds(kept[:2], torch.tensor([math.nan, math.inf],
+                                                                      dtype=torch.float64))
+    assert not bad.any()
+    assert not verified.smallest_eigenvalue_exceeds(torch.full_like(kept[:1], math.nan),
+                                                    floors[:1]).any()

@@ -309,6 +309,38 @@ def _cholesky_passes(A: Tensor, in_place: bool = False) -> Tensor:
     return info == 0
 
 
+def smallest_eigenvalue_exceeds(A: Tensor, floor: Tensor) -> Tensor:
+    """(B,) bool, True only where lambda_min(A_b) > floor_b is proved, for the symmetric matrices
+    of A's lower triangles (B, k, k) float64 and floor (B,) >= 0: one float64 Cholesky
+    factorisation of fl(A - mu I), about a tenth of the cost of a symmetric eigensolver.
+
+    With mu = (floor + alpha tr+(A) + 2 u max+(A_ii) + underflow) (1 + 2^-30) (+: positive
+    parts), Cholesky running to completion on B = fl(A - mu I) gives
+    lambda_min(B) >= -alpha tr(B) - underflow (the theorem of ``verified_gram_norm``:
+    Demmel 1989, Rump 2006, alpha from gamma_(2(k+2))). B differs from A - mu I only on its
+    diagonal, by |D_ii| <= u |B_ii|, and B_ii <= (1 + u) A_ii, so lambda_min(A) >=
+    mu - alpha tr(B) - 2 u max B_ii - underflow > floor; the check after the factorisation uses
+    B's own diagonal. A is not modified."""
+    batch, size = A.shape[0], A.shape[-1]
+    if size == 0:
+        return torch.ones(batch, dtype=torch.bool, device=A.device)
+    alpha = gamma(2 * (size + 2))
+    alpha = alpha / (1.0 - alpha)
+    diagonal = A.diagonal(dim1=-2, dim2=-1).clamp_min(0.0)
+
+    def margin(diagonal: Tensor) -> Tensor:  # alpha tr + 2 u max + underflow, rounded up
+        largest = diagonal.amax(dim=1)
+        return (alpha * diagonal.sum(dim=1) * (1.0 + 2.0 * gamma(size)) + 2.0 * UNIT_ROUNDOFF
+                * largest + (2.0 * size * (size + 2.0 + largest) + size) * SUBNORMAL)
+
+    shift = (floor + margin(diagonal * (1.0 + UNIT_ROUNDOFF))) * (1.0 + 2.0 ** -30)
+    B = A.mT.clone(memory_format=torch.contiguous_format).mT  # batched Fortran order
+    B.diagonal(dim1=-2, dim2=-1).sub_(shift[:, None])
+    factored = B.diagonal(dim1=-2, dim2=-1).clamp_min(0.0)  # a copy, before the factorisation
+    passed = _cholesky_passes(B, in_place=True)
+    return passed & (shift >= (floor + margin(factored)) * (1.0 + 2.0 ** -30))
+
+
 def _verified_bound(c: Tensor, factored_diagonal: Tensor, size: int) -> Tensor:
     """c + ||D|| + ||dA|| bound on lambda_max(S) after fl(c I - S) passed Cholesky; see
     ``verified_gram_norm``. factored_diagonal: (B, N) the diagonal A_ii that was factored."""
