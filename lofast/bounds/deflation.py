@@ -311,9 +311,11 @@ def deflated_norm_bound(Y: Tensor, Z: Tensor, deflation: Deflation, deviation: T
 
     Rounding. With e_Y = r ||V||_F: ||Y - J V||_F <= e_Y, ||Z - M V||_F <= e_Z = r ||Y||_F
     + nu e_Y. K = fl(Y Y^T) is within e_K = gamma_N ||Y||_F^2 + e_Y (2 ||Y||_F + e_Y) of the
-    exact K; C = fl(Z - fl(Z V) V^T) within e_C = gamma_{N+k+1} (1 + ||V||_F^2) ||Z||_F + e_Z
-    + (1 + eta) eta / (1 - eta) (||Z||_F + e_Z) of the exact P M V (the last term: V^T V != I;
-    ||I - V V^T|| <= 1); S = fl(C C^T) within e_S = gamma_N ||C||_F^2 + e_C (2 ||C||_F + e_C).
+    exact K (in Frobenius norm). The exact (M V)^T V is V^T M V, the exact K, so
+    C = fl(Z - fl(K V^T)) is within e_C = gamma_{k+1} (||Z||_F + ||K||_F ||V||_F) (the product
+    and the difference) + e_Z + e_K (1 + eta)^(1/2) + (1 + eta) eta / (1 - eta) (||Z||_F + e_Z)
+    of the exact P M V (the last term: V^T V != I; ||I - V V^T|| <= 1); S = fl(C C^T) within
+    e_S = gamma_N ||C||_F^2 + e_C (2 ||C||_F + e_C).
     Forming the matrix of (*) adds at most e_F = gamma_5 ((t - c)(t + ||K||_F) + ||S||_F), so
     (*) holds for the exact K, S where the computed matrix A has lambda_min(A) >
     (t - c) e_K + e_S + e_F (Weyl), which a Cholesky factorisation proves
@@ -332,12 +334,14 @@ def deflated_norm_bound(Y: Tensor, Z: Tensor, deflation: Deflation, deviation: T
     e_y = rounding * basis_f
     e_z = rounding * y_f + norm_bound * e_y
     e_k = gamma(size) * y_f.square() + e_y * (2.0 * y_f + e_y)
-    projected = Z - (Z @ V) @ V.mT  # rows of (P M V)^T
+    K = _symmetric(lower_gram(Y))  # each one float64 inner product per entry, as Y @ Y.mT
+    # rows of (P M V)^T: (M V)^T V = V^T M V is K itself, so K stands in for the product Z V
+    projected = Z - K @ V.mT
     c_f = torch.linalg.vector_norm(projected, dim=(1, 2)) * inflate
-    e_c = (gamma(size + count + 1) * (1.0 + basis_f ** 2) * z_f + e_z
+    k_f = torch.linalg.vector_norm(K, dim=(1, 2)) * inflate
+    e_c = (gamma(count + 1) * (z_f + k_f * basis_f) + e_z + e_k * math.sqrt(1.0 + eta)
            + (1.0 + eta) * eta / (1.0 - eta) * (z_f + e_z))
     e_s = gamma(size) * c_f.square() + e_c * (2.0 * c_f + e_c)
-    K = _symmetric(lower_gram(Y))  # each one float64 inner product per entry, as Y @ Y.mT
     S = _symmetric(lower_gram(projected))
     c = ((deflation.complement + deviation) * inflate).square() * inflate  # >= c exactly
     finite = (torch.isfinite(K).flatten(1).all(dim=1) & torch.isfinite(S).flatten(1).all(dim=1)
@@ -347,15 +351,21 @@ def deflated_norm_bound(Y: Tensor, Z: Tensor, deflation: Deflation, deviation: T
     top = torch.linalg.eigvalsh(K)[:, -1]
     ritz = torch.where(finite, top.clamp_min(0.0).sqrt(), math.nan)
     eye = torch.eye(count, dtype=torch.float64, device=Y.device).expand(batch, -1, -1)
-    k_f = torch.linalg.vector_norm(K, dim=(1, 2))
+    k_f = torch.linalg.vector_norm(K, dim=(1, 2))  # of the finite samples' K
     s_f = torch.linalg.vector_norm(S, dim=(1, 2))
     smallest = torch.maximum(_joint_top(K, S, c, top, s_f), c)  # an estimate of the smallest t
     upper = torch.full((batch,), math.inf, dtype=torch.float64, device=Y.device)
     todo = finite & torch.isfinite(smallest)
+    # lambda_min of (*)'s matrix grows with t at about the rate t - c, and must exceed the
+    # rounding terms below: the trials start about twice their size above the estimate (on the
+    # live default 5e-9 relative, where a bare 1e-9 step always failed)
+    gap = smallest - c
+    floor = gap * e_k + e_s + gamma(5) * (gap * (smallest + k_f) + s_f)
+    offset = torch.where(todo & (gap > 0), 2.0 * floor / gap.clamp_min(2.0 ** -900), 0.0)
     for step in TRIAL_STEPS:
         if not bool(todo.any()):
             break
-        t = smallest * (1.0 + step) + 2.0 ** -900
+        t = smallest * (1.0 + step) + offset + 2.0 ** -900
         gap = t - c  # > 0 in floating point means t > c exactly
         A = gap[:, None, None] * (t[:, None, None] * (1.0 - eta) * eye - K) - S
         e_f = gamma(5) * (gap * (t + k_f) + s_f)
@@ -383,14 +393,18 @@ def _joint_top(K: Tensor, S: Tensor, c: Tensor, top: Tensor, s_frobenius: Tensor
 
     For t > c, t <= t* exactly when lambda_max(K + S / (t - c)) >= t (Schur complement), and
     phi(t) = lambda_max(K + S / (t - c)) decreases in t, so t* is its fixed point. From
-    t_0 = max(top, c) + ||S||_F^(1/2) >= t*, the iterates t_(m+1) = phi(t_m) alternate about t*
+    t_0 = max(top, c) + ||S||_F^(1/2) >= t* (or top + ||S||_F / (top - c) where smaller and
+    top > c), the iterates t_(m+1) = phi(t_m) alternate about t*
     and close in by about rho = |phi'(t*)| a step, small where S is small next to (t* - c)^2,
     the usual case near the reference. With rho ~ |t_m - t_(m-1)| / |t_(m-1) - t_(m-2)|, the
     step's extrapolation t_m - (t_m - t_(m-1)) rho / (1 + rho) (t_m - t* = -rho (t_(m-1) - t*)
     to first order) is the estimate once the correction is below JOINT_TOLERANCE: on the live
     default two or three steps, against 3 before a 1e-10 agreement of plain iterates. Samples
     that do not settle within JOINT_STEPS take the 2k x 2k eigensolver."""
+    # both starts exceed t*: phi(t) <= top + ||S|| / (t - c) <= t there; the second is far
+    # closer where ||S|| is small next to (top - c)^2
     t = torch.maximum(top, c) + s_frobenius.sqrt()
+    t = torch.where(top > c, torch.minimum(t, top + s_frobenius / (top - c)), t)
     estimate, previous, before = t.clone(), t, t
     valid = torch.ones_like(t, dtype=torch.bool)
     settled = torch.zeros_like(valid)

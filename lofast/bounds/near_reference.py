@@ -269,18 +269,22 @@ def jacobian_adjoint(Y: Tensor, data: JacobianData, softmax: bool) -> Tensor:
     parts = data.projections.split([heads * dv, heads * dh, heads * dh], dim=1)
     weights = [part.view(d, heads, -1) for part in parts]
     out = data.residual * flat
-    terms = [(value.view(batch, heads, n * count, dv), weights[0])]
+    value = value.view(batch, heads, n * count, dv)
+    for head in range(heads):
+        out.baddbmm_(value[:, head], weights[0][:, head].mT.expand(batch, -1, d))
     if softmax:
         adjoint = _jacobian(data.probs[:, :, :, None], (mixed @ (data.x_value / data.scale).mT)
                             .view(batch, heads, n, count, n))  # [b, l, i, j, m]
-        query = adjoint.view(batch, heads, n * count, n) @ data.x_key  # [b, l, (i, j), e]
-        key = adjoint.view(batch, heads, n, count * n).mT @ data.x_query  # [b, l, (j, m), e]
-        key = key.view(batch, heads, count, n, dh).transpose(2, 3).reshape(
-            batch, heads, n * count, dh)
-        terms += [(query, weights[1]), (key, weights[2])]
-    for part, weight in terms:
-        for head in range(heads):
-            out.baddbmm_(part[:, head], weight[:, head].mT.expand(batch, -1, d))
+        # The score change G Wq_l (X Wk_l)^T + X Wq_l (G Wk_l)^T reads G through the (n x d)
+        # matrices X Wk_l Wq_l^T (by token m) and X Wq_l Wk_l^T (by token i): with them, both
+        # halves of the adjoint are one product with inner dimension 2 h n, rows (token, j)
+        through_keys = data.x_key @ weights[1].permute(1, 2, 0)  # (B, h, n, d)
+        through_queries = data.x_query @ weights[2].permute(1, 2, 0)
+        left = torch.stack([adjoint.permute(0, 2, 3, 1, 4),  # [b, i, j, l, m]
+                            adjoint.permute(0, 4, 3, 1, 2)], dim=3)  # [b, m, j, l, i]
+        right = torch.stack([through_keys, through_queries], dim=1)  # (B, 2, h, n, d)
+        out.baddbmm_(left.reshape(batch, n * count, 2 * heads * n),
+                     right.reshape(batch, 2 * heads * n, d))
     return out.view(batch, n, count, d).transpose(1, 2)
 
 
@@ -290,7 +294,10 @@ def jacobian_rounding(data: JacobianData) -> tuple[Tensor, Tensor]:
 
     Every output entry is a sum of products of data entries, each term carrying at most m
     roundings, so |fl - exact| <= gamma_m times the same evaluation on absolute values
-    (Higham, Lemma 3.3 and eq. 3.5); m = 3 d + 3 n + 2 dh + 2 h dv + 16 exceeds every such path.
+    (Higham, Lemma 3.3 and eq. 3.5); m = 3 d + 3 n + 2 dh + 2 h (dv + n) + 16 exceeds every
+    such path (the adjoint's score part sums 2 h n products with X Wk_l Wq_l^T and
+    X Wq_l Wk_l^T, whose entries are sums of dh products and, taken absolutely, at most the
+    products |X Wk_l| |Wq_l|^T that the bound below counts).
     The absolute evaluation of T_X has Frobenius norm at most
     (r + sum_l ||P_l||_2 ||Wv_l||_F ||Wo_l||_F) ||G||_F with ||P_l||_2 <= (max column sum)^(1/2)
     for a row-stochastic P_l >= 0; that of D_X at most
@@ -309,7 +316,7 @@ def jacobian_rounding(data: JacobianData) -> tuple[Tensor, Tensor]:
     softmax = (2.0 / data.scale * (query * frob(data.x_key, dim=(2, 3))
                                    + frob(data.x_query, dim=(2, 3)) * key)
                * frob(data.x_value, dim=(2, 3)) * output).sum(dim=1)
-    g = gamma(3 * d + 3 * n + 2 * dh + 2 * heads * dv + 16) * (1.0 + 2.0 ** -30)
+    g = gamma(3 * d + 3 * n + 2 * dh + 2 * heads * (dv + n) + 16) * (1.0 + 2.0 ** -30)
     return g * first, g * (first + softmax)
 
 
