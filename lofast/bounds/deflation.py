@@ -356,12 +356,14 @@ def deflated_norm_bound(Y: Tensor, Z: Tensor, deflation: Deflation, deviation: T
     smallest = torch.maximum(_joint_top(K, S, c, top, s_f), c)  # an estimate of the smallest t
     upper = torch.full((batch,), math.inf, dtype=torch.float64, device=Y.device)
     todo = finite & torch.isfinite(smallest)
-    # lambda_min of (*)'s matrix grows with t at about the rate t - c, and must exceed the
-    # rounding terms below: the trials start about twice their size above the estimate (on the
-    # live default 5e-9 relative, where a bare 1e-9 step always failed)
+    # lambda_min of (*)'s matrix must exceed the rounding terms below, and grows with t at a
+    # rate of at least about (t - c) + (t - u^T K u) >= (t - c) + (t - top) (u its null vector
+    # at t*): the trials start twice the rounding terms over that rate above the estimate (on
+    # the live default 5e-9 relative, where a bare 1e-9 step always failed)
     gap = smallest - c
     floor = gap * e_k + e_s + gamma(5) * (gap * (smallest + k_f) + s_f)
-    offset = torch.where(todo & (gap > 0), 2.0 * floor / gap.clamp_min(2.0 ** -900), 0.0)
+    rate = (gap + (smallest - top).clamp_min(0.0)).clamp_min(2.0 ** -900)
+    offset = torch.where(todo & (gap > 0), 2.0 * floor / rate, 0.0)
     for step in TRIAL_STEPS:
         if not bool(todo.any()):
             break
