@@ -162,7 +162,9 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
             if progress.leader:
                 console.print(f"time limit reached after {stop}: state saved in {state}, the "
                               f"weights so far in {out}; rerun with --resume to continue")
-            sys.exit(EXIT_TIME_LIMIT)
+            # Under torchrun a process that exits with an error stops the others: the rest
+            # exit 0 and leave the leader, which saves the state, to report and exit 75
+            sys.exit(EXIT_TIME_LIMIT if progress.leader else 0)
     if progress.leader:
         console.print(f"saved [bold]{out}[/]: clean test accuracy "
                       f"{history[-1].test_accuracy:.2%}")
