@@ -351,7 +351,6 @@ def deflated_norm_bound(Y: Tensor, Z: Tensor, deflation: Deflation, deviation: T
     top = torch.linalg.eigvalsh(K)[:, -1]
     ritz = torch.where(finite, top.clamp_min(0.0).sqrt(), math.nan)
     eye = torch.eye(count, dtype=torch.float64, device=Y.device).expand(batch, -1, -1)
-    k_f = torch.linalg.vector_norm(K, dim=(1, 2))  # of the finite samples' K
     s_f = torch.linalg.vector_norm(S, dim=(1, 2))
     smallest = torch.maximum(_joint_top(K, S, c, top, s_f), c)  # an estimate of the smallest t
     upper = torch.full((batch,), math.inf, dtype=torch.float64, device=Y.device)
@@ -396,13 +395,12 @@ def _joint_top(K: Tensor, S: Tensor, c: Tensor, top: Tensor, s_frobenius: Tensor
     For t > c, t <= t* exactly when lambda_max(K + S / (t - c)) >= t (Schur complement), and
     phi(t) = lambda_max(K + S / (t - c)) decreases in t, so t* is its fixed point. From
     t_0 = max(top, c) + ||S||_F^(1/2) >= t* (or top + ||S||_F / (top - c) where smaller and
-    top > c), the iterates t_(m+1) = phi(t_m) alternate about t*
-    and close in by about rho = |phi'(t*)| a step, small where S is small next to (t* - c)^2,
-    the usual case near the reference. With rho ~ |t_m - t_(m-1)| / |t_(m-1) - t_(m-2)|, the
-    step's extrapolation t_m - (t_m - t_(m-1)) rho / (1 + rho) (t_m - t* = -rho (t_(m-1) - t*)
-    to first order) is the estimate once the correction is below JOINT_TOLERANCE: on the live
-    default two or three steps, against 3 before a 1e-10 agreement of plain iterates. Samples
-    that do not settle within JOINT_STEPS take the 2k x 2k eigensolver."""
+    top > c), the iterates t_(m+1) = phi(t_m) alternate about t* and close in by about
+    rho = |phi'(t*)| a step, small where S is small next to (t* - c)^2, the usual case near the
+    reference. With rho ~ |t_m - t_(m-1)| / |t_(m-1) - t_(m-2)|, the extrapolation
+    t_m - (t_m - t_(m-1)) rho / (1 + rho) (t_m - t* = -rho (t_(m-1) - t*) to first order) is
+    the estimate once its correction is below JOINT_TOLERANCE: two or three steps on the live
+    default. Samples that do not settle within JOINT_STEPS take the 2k x 2k eigensolver."""
     # both starts exceed t*: phi(t) <= top + ||S|| / (t - c) <= t there; the second is far
     # closer where ||S|| is small next to (top - c)^2
     t = torch.maximum(top, c) + s_frobenius.sqrt()

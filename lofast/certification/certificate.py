@@ -47,9 +47,9 @@ assert tuple(BOUND_TERMS) == tuple(Bound)
 
 
 def automatic_guarantee(model: LipschitzViT) -> tuple[str, str]:
-    """The guarantee "auto" takes for ``model``, and why in words: "exact" while its attention blocks act on
-    fewer than PROBABILISTIC_REFERENCE_SIZE coordinates (n tokens x width d), "probabilistic"
-    from there on. The exact guarantee's proofs factor (n d)^2 Gram matrices, in (n d)^3 / 3
+    """The guarantee "auto" takes for ``model``, and why in words: "exact" while its attention
+    blocks act on fewer than PROBABILISTIC_REFERENCE_SIZE coordinates (n tokens x width d),
+    "probabilistic" from there on. The exact guarantee's proofs factor (n d)^2 Gram matrices, in (n d)^3 / 3
     flops and 8 (n d)^2 bytes: once per model for a position-biased reference, and per sample
     where the cheap bounds are loose (two CPU threads: 3 s per model at 17 tokens of width 256;
     12 s at 65 tokens of width 128, against 8 s by Lanczos; at 256 tokens of width 128, 8.6 GB
@@ -104,7 +104,9 @@ class CertifySettings:
         if self.method is None:  # frozen: fill in the derived fields once
             guarantee = self.guarantee or CERTIFY_DEFAULTS.guarantee
             object.__setattr__(self, "guarantee", guarantee)
-            try:  # the method checks the slack (one check for the CLI and the API)
+            # the method checks the slack (one check for the CLI and the API); under "auto"
+            # an exact one checks it, and ``for_model`` makes the method
+            try:
                 method = SpectralMethod(kind=GUARANTEES.get(guarantee, "verified"), **(
                     {} if slack is None else {"jacobian_slack": slack}))
             except ValueError as error:
