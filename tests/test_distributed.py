@@ -224,6 +224,25 @@ def test_torchrun_certified_training(setup, tmp_path):
     assert losses[1] == pytest.approx(losses[0], rel=0.05)
 
 
+@pytest.mark.parametrize(("rank", "code"), [(0, 75), (1, 0)])
+def test_time_limit_stop_exits_75_on_the_leader_only(setup, tmp_path, monkeypatch, rank, code):
+    """torchrun stops every process once one exits with an error, so a process other than the
+    leader, stopped by --time-limit, exits 0 and leaves the leader to save, report and exit 75
+    (a second process exiting 75 first had the leader killed before it could report)."""
+    import lofast.distributed
+    import lofast.training.pipeline
+    from lofast.errors import TimeLimitReached
+
+    def stopped(*args, **kwargs):
+        raise TimeLimitReached("epoch 1, step 1/2", [])
+
+    monkeypatch.setattr(lofast.training.pipeline, "run_train", stopped)
+    monkeypatch.setattr(lofast.distributed, "torchrun_rank", lambda: (rank, 2))
+    result = CliRunner().invoke(cli, train_args(setup, tmp_path / "m.safetensors"))
+    assert result.exit_code == code, result.output
+    assert ("time limit reached after epoch 1, step 1/2" in result.output) == (rank == 0)
+
+
 @pytest.mark.slow
 def test_torchrun_run_stopped_by_time_limit_resumes_on_one_process(setup, tmp_path,
                                                                   one_process_model, one_thread):
