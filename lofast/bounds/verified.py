@@ -337,7 +337,8 @@ def smallest_eigenvalue_exceeds(A: Tensor, floor: Tensor) -> Tensor:
     B = A.mT.clone(memory_format=torch.contiguous_format).mT  # batched Fortran order
     B.diagonal(dim1=-2, dim2=-1).sub_(shift[:, None])
     factored = B.diagonal(dim1=-2, dim2=-1).clamp_min(0.0)  # a copy, before the factorisation
-    passed = _cholesky_passes(B, in_place=True)
+    # factored in its own memory on a CPU; elsewhere into a new factor (k x k: cheap either way)
+    passed = _cholesky_passes(B, in_place=B.device.type == "cpu")
     return passed & (shift >= (floor + margin(factored)) * (1.0 + 2.0 ** -30))
 
 
