@@ -244,13 +244,17 @@ def jacobian_apply(basis: Tensor, data: JacobianData, softmax: bool,
         scores = (q @ data.x_key.mT).view(batch, heads, n, count * n)
         scores += data.x_query @ k
         scores = _jacobian(data.probs[:, :, :, None], scores.view(batch, heads, n, count, n))
-        mixed += (scores.view(batch, heads, n * count, n) @ (data.x_value / data.scale)).view(
-            batch, heads, n, count * dv)  # + J_l(E1_l(G_j)) X Wv_l / s
+        # + J_l(E1_l(G_j)) X Wv_l / s, summed in place
+        mixed.view(batch * heads, n * count, dv).baddbmm_(
+            scores.view(batch * heads, n * count, n),
+            (data.x_value / data.scale).reshape(batch * heads, n, dv))
     mixed = mixed.view(batch, heads, n * count, dv)
-    # its own memory per sample (an expanded view would alias the in-place sums below)
-    out = (data.residual * tokens_first).reshape(1, n * count, d).repeat(batch, 1, 1)
+    # the first head's product starts a new tensor from the residual (expanded, not copied),
+    # the others add to it in place
     output = data.output.view(heads, dv, d)
-    for head in range(heads):
+    out = torch.baddbmm(tokens_first.reshape(1, n * count, d).expand(batch, -1, -1),
+                        mixed[:, 0], output[0].expand(batch, dv, d), beta=data.residual)
+    for head in range(1, heads):
         out.baddbmm_(mixed[:, head], output[head].expand(batch, dv, d))
     return out.view(batch, n, count, d).transpose(1, 2)
 
@@ -268,9 +272,10 @@ def jacobian_adjoint(Y: Tensor, data: JacobianData, softmax: bool) -> Tensor:
     # the stacked projections' columns per part and head: (d, h, dv or dh) views
     parts = data.projections.split([heads * dv, heads * dh, heads * dh], dim=1)
     weights = [part.view(d, heads, -1) for part in parts]
-    out = data.residual * flat
     value = value.view(batch, heads, n * count, dv)
-    for head in range(heads):
+    out = torch.baddbmm(flat, value[:, 0], weights[0][:, 0].mT.expand(batch, -1, d),
+                        beta=data.residual)  # a new tensor, summed into in place below
+    for head in range(1, heads):
         out.baddbmm_(value[:, head], weights[0][:, head].mT.expand(batch, -1, d))
     if softmax:
         adjoint = _jacobian(data.probs[:, :, :, None], (mixed @ (data.x_value / data.scale).mT)
