@@ -391,8 +391,12 @@ class SLL(KeepsWhileFrozen, nn.Module):
             self.held_rescaling = self.rescaling()
 
     def forward(self, x: Tensor) -> Tensor:
-        hidden = torch.relu(x @ self.weight + self.bias) / self.rescaling()
-        return x - 2.0 * hidden @ self.weight.T
+        # x - 2 W diag(1/t) relu(W^T x + b): the bias and the difference inside the two products,
+        # 2 / t folded into the (d x k) weight rather than the (tokens x k) activations
+        flat = x.reshape(-1, x.shape[-1])
+        hidden = torch.relu(torch.addmm(self.bias, flat, self.weight))
+        scaled = self.weight * (2.0 / self.rescaling())
+        return torch.addmm(flat, hidden, scaled.T, alpha=-1.0).reshape(x.shape)
 
     def spec(self, differentiable: bool = False) -> SLLSpec:
         return SLLSpec(weight=_spec_tensor(self.weight, differentiable),

@@ -1,0 +1,97 @@
+"""Forward-pass cost of a loaded model against a plain ViT of the same shape: inference pays no
+SVD per call once the model's exact spectral caps are computed.
+
+    python benchmarks/bench_forward.py [--checkpoint CKPT] [--batch 100] [--repeats 20]
+        [--device auto] [--out bench_forward.json]
+
+The loaded model (``lofast.load_model``, eval mode, no autograd) computes its caps on its first
+call and keeps them while its weights stay unchanged. The plain ViT is torch's own encoder
+(``nn.TransformerEncoder``: pre-norm layers with the model's width, heads, depth and MLP width,
+GELU, LayerNorm, no dropout) behind a patch convolution of the same patch size, a class token,
+position embeddings and a mean-pooled linear head, with random weights. Both run in float32 on
+random images. Prints ms per batch of the model's first call, of its later calls and of the
+plain ViT, and the ratio later / plain; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+from torch import nn
+
+from lofast.checkpoint import default_checkpoint_path, load_checkpoint
+from lofast.config import ModelConfig
+from lofast.runtime import resolve_device
+
+
+class PlainViT(nn.Module):
+    """A standard pre-norm ViT with the shape of ``config`` (tokens, width, heads, depth, MLP)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        width = config.width
+        self.embed = nn.Conv2d(config.channels, width, config.patch_size, config.patch_size)
+        self.cls = nn.Parameter(torch.zeros(1, 1, width))
+        self.position = nn.Parameter(torch.randn(1, config.num_tokens, width) * 0.02)
+        layer = nn.TransformerEncoderLayer(width, config.heads, config.mlp_ratio * width,
+                                           dropout=0.0, activation="gelu", batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, config.depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, config.num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(x).flatten(2).transpose(1, 2)
+        tokens = torch.cat([self.cls.expand(len(tokens), -1, -1), tokens], dim=1) + self.position
+        return self.head(self.norm(self.encoder(tokens)).mean(dim=1))
+
+
+def seconds(fn, device: torch.device, repeats: int = 1) -> float:
+    """Mean wall-clock seconds of fn() over ``repeats`` calls, the device synchronised."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / repeats
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", default=None)
+    parser.add_argument("--batch", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", default="bench_forward.json")
+    args = parser.parse_args()
+    device = resolve_device(args.device)
+    model = load_checkpoint(args.checkpoint or default_checkpoint_path()).to(device).eval()
+    config = model.config
+    plain = PlainViT(config).to(device).eval()
+    images = torch.rand(args.batch, config.channels, config.image_size, config.image_size,
+                        generator=torch.Generator().manual_seed(0)).to(device)
+    first = seconds(lambda: model(images), device)  # computes and keeps the caps
+    seconds(lambda: plain(images), device)  # warm-up
+    later = seconds(lambda: model(images), device, args.repeats)
+    baseline = seconds(lambda: plain(images), device, args.repeats)
+    report = {"device": str(device), "cpu": platform.processor() or platform.machine(),
+              "threads": torch.get_num_threads(), "batch": args.batch, "model": config.to_json(),
+              "first_call_ms": 1e3 * first, "later_calls_ms": 1e3 * later,
+              "plain_vit_ms": 1e3 * baseline, "ratio": later / baseline}
+    print(f"batch {args.batch} on {device} ({torch.get_num_threads()} threads): first call "
+          f"{1e3 * first:.1f} ms, later calls {1e3 * later:.1f} ms, plain ViT of the same shape "
+          f"{1e3 * baseline:.1f} ms: ratio {later / baseline:.2f}")
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
