@@ -35,6 +35,8 @@
 #      (`--live-attention K`, the shape of the ||A_l|| / s = K models the CPU figures use):
 #      ms a sample over the first LIVE_N (default 512) bundled images in batches of
 #      LIVE_BATCH (default 1024), exact guarantee (OUT/bench_live.json);
+#      2e. with FORWARD=1, benchmarks/bench_forward.py: the default's forward pass at batch
+#      1024 against a plain ViT of its shape (OUT/bench_forward.json);
 #   3. lofast train with TRAIN_ARGS until PASS_SECONDS (default 520) after the start of the
 #      pass (none when less than a minute of it is left: PASS_SECONDS=0 gives the figures
 #      only), resumed from STATE when given (OUT/train.safetensors, and its .state.pt for the
@@ -56,7 +58,7 @@
 # Each step runs whatever became of the one before; everything printed goes to OUT/log.txt.
 # Environment: DEVICE (default cuda), BENCH_BATCHES (set but empty: no step 1), BENCH_ARGS
 # (more options of bench_train.py), COMPILE, TOKENS, TOKENS_DEPTH, TOKENS_SECONDS, LIVE,
-# LIVE_N, LIVE_BATCH, LR (the
+# LIVE_N, LIVE_BATCH, FORWARD, LR (the
 # recipe's learning rate, default 2e-3; a CPU ablation favoured 1.6e-2 to 3.2e-2), BATCH (its
 # batch size, default 250; 1000 also divides the training set, 4.1x the images/s eager), LIMIT
 # (certify only the first LIMIT test images; default all), PASS_SECONDS, TRAIN_ARGS, INIT, EPOCHS, PART_MIB (default 15). With DEVICE=cpu
@@ -142,6 +144,12 @@ if [ -n "${LIVE:-}" ]; then
     timeout 200 python3 benchmarks/bench_certify.py --live-attention "$LIVE" \
         --n "${LIVE_N:-512}" --batch-sizes "${LIVE_BATCH:-1024}" --device "$device" \
         --out "$out/bench_live.json" || echo "bench_certify --live-attention: exit $?"
+fi
+
+if [ -n "${FORWARD:-}" ]; then
+    echo "== 2e. the default's forward pass against a plain ViT ($(elapsed) s)"
+    timeout 120 python3 benchmarks/bench_forward.py --batch 1024 --device "$device" \
+        --out "$out/bench_forward.json" || echo "bench_forward: exit $?"
 fi
 
 if [ "$pass_seconds" -le $(($(elapsed) + 60)) ]; then  # PASS_SECONDS=0: the figures only
