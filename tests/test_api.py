@@ -54,6 +54,10 @@ def test_one_vocabulary_for_guarantees():
         CertifySettings(guarantee="exact", method=SpectralMethod(kind="lanczos"))
     with pytest.raises(CertificationError, match="unknown guarantee"):
         CertifySettings(guarantee="deterministic")
+    with pytest.raises(CertificationError, match="not auto"):  # a method fixes the guarantee
+        CertifySettings(guarantee="auto", method=SpectralMethod(kind="dense"))
+    with pytest.raises(CertificationError, match="jacobian_slack"):  # checked under auto too
+        CertifySettings(guarantee="auto", jacobian_slack=-1.0)
     assert set(GUARANTEE_CHOICES) == {"auto", *GUARANTEES}
     options = {p.name: p for p in certify_command.params}
     assert list(options["guarantee"].type.choices) == list(GUARANTEE_CHOICES)
