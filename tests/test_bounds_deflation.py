@@ -404,3 +404,112 @@ def test_joint_top_matches_the_joint_eigenvalue(scale, settled, monkeypatch):
     assert torch.allclose(estimate, exact, rtol=2 * JOINT_TOLERANCE, atol=0.0), (estimate, exact)
     # the trials start one TRIAL_STEPS increment above the estimate: there t* is passed
     assert (estimate * (1 + TRIAL_STEPS[0]) > exact).all()
+
+
+
+def exact_grams(seed):
+    """A reference with a clustered top deflated, J near it with a coupling between the
+    deflated subspace and its complement, and the exact float64 K = V^T M V and
+    S = C^T C (C = P M V, P the projector off range(V)) as dense references."""
+    T, U, Vs = operator(48, [3.0, 2.98, 2.96, 2.94, 2.9, 2.85, 2.8, 2.75, 1.5], seed=seed)
+    deflation = reference_deflation(T)
+    J = T + 0.05 * U[:, :1] @ Vs[:, 30:31].T
+    V = deflation.basis
+    M = J.T @ J
+    projector = torch.eye(48, dtype=F64) - V @ torch.linalg.solve(V.T @ V, V.T)
+    C = projector @ M @ V
+    Y, Z = (J @ V).T, (M @ V).T
+    norm = torch.linalg.matrix_norm(J, 2) * (1 + 1e-12)
+    return J, deflation, Y, Z, Y @ Y.T, C.T @ C, norm
+
+
+def top_pair(A):
+    """A's top singular pair (a, b) as a rank-one unit matrix a b^T (same shape as A)."""
+    U, _, Vh = torch.linalg.svd(A)
+    return U[:, :1] @ Vh[:1]
+
+
+def test_the_coupling_gram_bounds_its_error_from_the_rows_of_the_adjoint():
+    """Rows Z off by as much as the stated adjoint rounding allows, along Z's top singular
+    pair, where the error of Z Z^T is largest (about 2 ||Z|| e_Z): S = Z Z^T - K K stays within
+    e_S of the exact C^T C, and that error takes most of e_S (halving the e_Z term of e_S
+    fails this)."""
+    _J, deflation, Y, Z, _, S_exact, norm = exact_grams(seed=21)
+    budget = 1e-6
+    rate = budget / float(torch.linalg.vector_norm(Y))
+    shifted = Z + budget * top_pair(Z)
+    _K, S, _, e_s = deflation_module.deflated_grams(
+        Y[None], shifted[None], torch.zeros(1, dtype=F64), torch.tensor([rate], dtype=F64),
+        norm.reshape(1), deflation.orthogonality)
+    error = torch.linalg.vector_norm(S[0] - S_exact)
+    assert error <= e_s[0], (error, e_s)
+    assert error >= 0.6 * e_s[0], (error, e_s)
+
+
+def test_the_ritz_gram_bounds_its_error_from_the_rows_of_the_product():
+    """Rows Y off by the stated error along their top singular pair (the error of Y Y^T is
+    then about 2 ||Y|| e_Y) and Z = Y J exactly: K stays within e_K of the exact V^T M V with
+    most of e_K taken (halving the e_Y term fails this), and S within e_S of C^T C."""
+    J, deflation, Y, _, K_exact, S_exact, norm = exact_grams(seed=22)
+    budget = 1e-6
+    shifted = Y + budget * top_pair(Y)
+    K, S, e_k, e_s = deflation_module.deflated_grams(
+        shifted[None], (shifted @ J)[None], torch.tensor([budget], dtype=F64),
+        torch.zeros(1, dtype=F64), norm.reshape(1), deflation.orthogonality)
+    error = torch.linalg.vector_norm(K[0] - K_exact)
+    assert error <= e_k[0] and error >= 0.6 * e_k[0], (error, e_k)
+    assert torch.linalg.vector_norm(S[0] - S_exact) <= e_s[0]
+
+
+
+def test_the_coupling_gram_bounds_the_error_of_the_square_of_k():
+    """Rows Y off along their top singular pair and Z exact (its stated error nu e_Y unused):
+    K K then carries about 2 ||K|| e_K of error into S = Z Z^T - K K, which e_S covers with
+    most of it taken (dropping the e_K term of e_S fails this)."""
+    _J, deflation, Y, Z, _, S_exact, norm = exact_grams(seed=24)
+    budget = 1e-6
+    shifted = Y + budget * top_pair(Y)
+    _, S, _, e_s = deflation_module.deflated_grams(
+        shifted[None], Z[None], torch.tensor([budget], dtype=F64), torch.zeros(1, dtype=F64),
+        norm.reshape(1), deflation.orthogonality)
+    error = torch.linalg.vector_norm(S[0] - S_exact)
+    assert error <= e_s[0] and error >= 0.5 * e_s[0], (error, e_s)
+
+def test_the_grams_of_exact_rows_are_within_rounding():
+    """With exact products (no stated error) K and S are the dense references up to the
+    float64 rounding of their own Grams: e_K and e_S are tiny next to S, whose smallness
+    (second order near the reference) the bound relies on."""
+    _J, deflation, Y, Z, K_exact, S_exact, norm = exact_grams(seed=23)
+    zero = torch.zeros(1, dtype=F64)
+    K, S, e_k, e_s = deflation_module.deflated_grams(Y[None], Z[None], zero, zero,
+                                                     norm.reshape(1), deflation.orthogonality)
+    assert torch.linalg.vector_norm(K[0] - K_exact) <= e_k[0]
+    assert torch.linalg.vector_norm(S[0] - S_exact) <= e_s[0]
+    assert e_s[0] < 1e-9 * torch.linalg.vector_norm(S_exact)
+
+@pytest.mark.parametrize(("scale", "reliable"), [(1e-7, True), (1e-4, True), (3.0, False)])
+def test_perturbed_top_estimates_the_joint_eigenvalue_near_the_reference(scale, reliable):
+    """``_perturbed_top``'s second-order estimate of t*, the top eigenvalue of
+    [[K, S^(1/2)], [S^(1/2), c I]], against the 2k x 2k eigensolver: for a small S (near the
+    reference, c well below lambda_max(K)) it is reliable and within 1e-9 of t* relative;
+    for a large S, or c above lambda_max(K), it says it is not reliable (the caller then
+    takes ``_joint_top``)."""
+    g = torch.Generator().manual_seed(31)
+    k = 16
+    A = torch.randn(3, k, k, generator=g, dtype=F64)
+    K = A @ A.mT
+    C = torch.randn(3, k, k, generator=g, dtype=F64) * scale
+    S = C @ C.mT
+    values, vectors = torch.linalg.eigh(K)
+    top = values[:, -1]
+    c = top * torch.tensor([0.5, 0.8, 1.2], dtype=F64)
+    s_values, s_vectors = torch.linalg.eigh(S)
+    root = (s_vectors * s_values.clamp_min(0.0).sqrt()[:, None, :]) @ s_vectors.mT
+    eye = torch.eye(k, dtype=F64).expand(3, -1, -1)
+    joint = torch.cat([torch.cat([K, root], dim=2),
+                       torch.cat([root, c[:, None, None] * eye], dim=2)], dim=1)
+    exact = torch.linalg.eigvalsh(joint)[:, -1]
+    estimate, settled = deflation_module._perturbed_top(values, vectors, S, c)
+    assert settled.tolist() == [reliable, reliable, False]  # c above the top: never
+    if reliable:
+        assert torch.allclose(estimate[:2], exact[:2], rtol=1e-9, atol=0.0), (estimate, exact)

@@ -79,7 +79,7 @@ COMPLEMENT_SLACK = 1e-4
 
 # Relative increments of t (over the top eigenvalue of the (2k x 2k) matrix above) tried in turn
 # until (*) is verified with every rounding error accounted for.
-TRIAL_STEPS = (1e-9, 1e-7, 1e-5, 1e-3, 1e-1)
+TRIAL_STEPS = (1e-9, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 
 
 @dataclass(frozen=True)
@@ -309,13 +309,7 @@ def deflated_norm_bound(Y: Tensor, Z: Tensor, deflation: Deflation, deviation: T
     ||fl(J_b x) - J_b x|| <= r_b ||x|| and ||fl(J_b^T x) - J_b^T x|| <= r_b ||x|| for the
     products that formed Y and Z. A sample whose condition (*) cannot be verified gets +inf.
 
-    Rounding. With e_Y = r ||V||_F: ||Y - J V||_F <= e_Y, ||Z - M V||_F <= e_Z = r ||Y||_F
-    + nu e_Y. K = fl(Y Y^T) is within e_K = gamma_N ||Y||_F^2 + e_Y (2 ||Y||_F + e_Y) of the
-    exact K (in Frobenius norm). The exact (M V)^T V is V^T M V, the exact K, so
-    C = fl(Z - fl(K V^T)) is within e_C = gamma_{k+1} (||Z||_F + ||K||_F ||V||_F) (the product
-    and the difference) + e_Z + e_K (1 + eta)^(1/2) + (1 + eta) eta / (1 - eta) (||Z||_F + e_Z)
-    of the exact P M V (the last term: V^T V != I; ||I - V V^T|| <= 1); S = fl(C C^T) within
-    e_S = gamma_N ||C||_F^2 + e_C (2 ||C||_F + e_C).
+    Rounding: K and S are within e_K and e_S of the exact ones (``deflated_grams``).
     Forming the matrix of (*) adds at most e_F = gamma_5 ((t - c)(t + ||K||_F) + ||S||_F), so
     (*) holds for the exact K, S where the computed matrix A has lambda_min(A) >
     (t - c) e_K + e_S + e_F (Weyl), which a Cholesky factorisation proves
@@ -329,30 +323,26 @@ def deflated_norm_bound(Y: Tensor, Z: Tensor, deflation: Deflation, deviation: T
     eta = deflation.orthogonality
     inflate = 1.0 + 2.0 ** -40
     basis_f = float(torch.linalg.vector_norm(V)) * inflate
-    y_f = torch.linalg.vector_norm(Y, dim=(1, 2)) * inflate
-    z_f = torch.linalg.vector_norm(Z, dim=(1, 2)) * inflate
-    e_y = rounding * basis_f
-    e_z = rounding * y_f + norm_bound * e_y
-    e_k = gamma(size) * y_f.square() + e_y * (2.0 * y_f + e_y)
-    K = _symmetric(lower_gram(Y))  # each one float64 inner product per entry, as Y @ Y.mT
-    # rows of (P M V)^T: (M V)^T V = V^T M V is K itself, so K stands in for the product Z V
-    projected = Z - K @ V.mT
-    c_f = torch.linalg.vector_norm(projected, dim=(1, 2)) * inflate
+    K, S, e_k, e_s = deflated_grams(Y, Z, rounding * basis_f, rounding, norm_bound, eta)
     k_f = torch.linalg.vector_norm(K, dim=(1, 2)) * inflate
-    e_c = (gamma(count + 1) * (z_f + k_f * basis_f) + e_z + e_k * math.sqrt(1.0 + eta)
-           + (1.0 + eta) * eta / (1.0 - eta) * (z_f + e_z))
-    e_s = gamma(size) * c_f.square() + e_c * (2.0 * c_f + e_c)
-    S = _symmetric(lower_gram(projected))
+    s_f = torch.linalg.vector_norm(S, dim=(1, 2)) * inflate
     c = ((deflation.complement + deviation) * inflate).square() * inflate  # >= c exactly
     finite = (torch.isfinite(K).flatten(1).all(dim=1) & torch.isfinite(S).flatten(1).all(dim=1)
               & torch.isfinite(e_k) & torch.isfinite(e_s) & torch.isfinite(c))
     K, S = (torch.where(finite[:, None, None], t, 0.0) for t in (K, S))  # eigensolvers need it
     c = torch.where(finite, c, 0.0)
-    top = torch.linalg.eigvalsh(K)[:, -1]
+    values, vectors = torch.linalg.eigh(K)
+    top = values[:, -1]
     ritz = torch.where(finite, top.clamp_min(0.0).sqrt(), math.nan)
     eye = torch.eye(count, dtype=torch.float64, device=Y.device).expand(batch, -1, -1)
-    s_f = torch.linalg.vector_norm(S, dim=(1, 2))
-    smallest = torch.maximum(_joint_top(K, S, c, top, s_f), c)  # an estimate of the smallest t
+    # an estimate of the smallest t of (*): second-order perturbation where it is reliable,
+    # else the fixed point of ``_joint_top``
+    smallest, settled = _perturbed_top(values, vectors, S, c)
+    if not bool(settled.all()):
+        rest = ~settled
+        smallest = smallest.masked_scatter(rest, _joint_top(K[rest], S[rest], c[rest], top[rest],
+                                                            s_f[rest]))
+    smallest = torch.maximum(smallest, c)
     upper = torch.full((batch,), math.inf, dtype=torch.float64, device=Y.device)
     todo = finite & torch.isfinite(smallest)
     # lambda_min of (*)'s matrix must exceed the rounding terms below, and grows with t at a
@@ -375,6 +365,78 @@ def deflated_norm_bound(Y: Tensor, Z: Tensor, deflation: Deflation, deviation: T
         upper = torch.where(ok, t.sqrt() * inflate, upper)
         todo = todo & ~ok
     return upper, ritz
+
+
+def deflated_grams(Y: Tensor, Z: Tensor, y_error: Tensor, z_rounding: Tensor,
+                   norm_bound: Tensor, eta: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """K, S (B, k, k) of ``deflated_norm_bound``'s condition (*) from the computed rows Y, Z
+    (B, k, N), and e_K, e_S (B,) with ||K - V^T M V||_F <= e_K and ||S - C^T C||_F <= e_S for
+    the exact M = J^T J and C = P M V, given y_error (B,) e_Y >= ||Y - (J V)^T||_F and
+    z_rounding (B,) r_Z with ||Z - Y J||_F <= r_Z ||Y||_F (Z is J^T applied to Y's rows, up to
+    rounding), so that ||Z - (M V)^T||_F <= e_Z = r_Z ||Y||_F + nu e_Y; nu = norm_bound
+    >= ||J||, eta >= ||V^T V - I|| for the basis V.
+
+    Products with an error matrix are bounded with the other factor's spectral norm
+    (||A D||_F <= ||A|| ||D||_F): ||J V|| <= nu (1 + eta)^(1/2), and the exact K = V^T M V and
+    the exact rows M V both have norm at most nu^2 (1 + eta) =: mu. K = fl(Y Y^T) is within
+    e_K = gamma_N ||Y||_F^2 + e_Y (2 (nu (1 + eta)^(1/2) + e_Y) + e_Y) of the exact K.
+    S is not formed from C: with P = I - V (V^T V)^-1 V^T,
+    C^T C = (M V)^T P (M V) = (M V)^T (M V) - K (V^T V)^-1 K, so S = fl(fl(Z Z^T) - fl(K K)),
+    which saves the (k x k)(k x N) product that C needs. S is small, and so are its errors:
+    it is within e_S = gamma_N ||Z||_F^2 + e_Z (2 (mu + e_Z) + e_Z) (the Gram of Z)
+    + gamma_k ||K||_F^2 + e_K (2 (mu + e_K) + e_K) (the square of K) + mu^2 eta / (1 - eta)
+    (||(V^T V)^-1 - I|| <= eta / (1 - eta)) + 2 u ||S||_F (the difference) of the exact C^T C.
+    The squared Frobenius norms of Y and Z are the traces of their Grams, each diagonal entry
+    within gamma_N of its exact value. Both Grams are symmetric, from their lower triangles."""
+    count, size = Y.shape[1], Y.shape[2]
+    inflate = 1.0 + 2.0 ** -40
+    K = _symmetric(lower_gram(Y))  # each one float64 inner product per entry, as Y @ Y.mT
+    gram_z = _symmetric(lower_gram(Z))
+    traces = 1.0 + 2.0 * gamma(size + count)  # ||Y||_F^2 <= tr fl(Y Y^T) (1 + gamma_N + ...)
+    y_f = (K.diagonal(dim1=1, dim2=2).sum(dim=1).clamp_min(0.0) * traces).sqrt() * inflate
+    z_f = (gram_z.diagonal(dim1=1, dim2=2).sum(dim=1).clamp_min(0.0) * traces).sqrt() * inflate
+    e_y = y_error
+    e_z = (z_rounding * y_f + norm_bound * e_y) * inflate
+    e_k = (gamma(size) * y_f.square()
+           + e_y * (2.0 * (norm_bound * math.sqrt(1.0 + eta) * inflate + e_y) + e_y))
+    k_f = torch.linalg.vector_norm(K, dim=(1, 2)) * inflate
+    mu = norm_bound.square() * (1.0 + eta) * inflate  # >= ||K|| and ||M V|| exactly
+    S = gram_z - K @ K
+    s_f = torch.linalg.vector_norm(S, dim=(1, 2)) * inflate
+    e_s = (gamma(size) * z_f.square() + e_z * (2.0 * (mu + e_z) + e_z)
+           + gamma(count) * k_f.square() + e_k * (2.0 * (mu + e_k) + e_k)
+           + mu.square() * (eta / (1.0 - eta)) + 2.0 * UNIT_ROUNDOFF * s_f) * inflate
+    return K, S, e_k * inflate, e_s
+
+
+# _perturbed_top takes its estimate where the second-order term is at most this share of the
+# first: the next term is then smaller by about as much again.
+PERTURBATION_SHARE = 0.05
+
+
+def _perturbed_top(values: Tensor, vectors: Tensor, S: Tensor,
+                   c: Tensor) -> tuple[Tensor, Tensor]:
+    """Estimates (B,) of t*, the smallest t of condition (*) (eta = 0), and where they are
+    reliable (B,) bool, from the eigenpairs of K (values ascending (B, k), vectors (B, k, k))
+    and S (B, k, k): t* is the fixed point of t = lambda_max(K + S / (t - c)), and with
+    s = u^T S Q (u the top eigenvector of K, Q all of them) second-order perturbation of
+    K's top eigenvalue gives t = top + s_1 / g + sum_(j > 1) s_j^2 / (g^2 (top - lambda_j)),
+    g = t - c, evaluated at g from the first-order value. Reliable where c < top and the
+    second-order sum is at most PERTURBATION_SHARE of the first-order shift: near the
+    reference (S small next to (top - c) times K's gaps), one k x k eigensolver instead of the
+    fixed point's three. Only speed and tightness depend on these estimates: the caller
+    verifies every t it tries."""
+    top = values[:, -1]
+    coupling = ((S @ vectors[:, :, -1:]).mT @ vectors)[:, 0]  # u^T S Q (B, k)
+    spread = (top[:, None] - values[:, :-1]).clamp_min(2.0 ** -900)
+    g = (top - c).clamp_min(2.0 ** -900)
+    g = (top + coupling[:, -1] / g - c).clamp_min(2.0 ** -900)  # at the first-order estimate
+    first = coupling[:, -1] / g
+    second = (coupling[:, :-1].square() / spread).sum(dim=1) / g.square()
+    estimate = top + first + second
+    reliable = ((top > c) & torch.isfinite(estimate) & (first >= 0)
+                & (second <= PERTURBATION_SHARE * first))
+    return torch.where(reliable, estimate, top), reliable
 
 
 # _joint_top: at most this many fixed-point steps on k x k matrices (one 2k x 2k eigensolver
