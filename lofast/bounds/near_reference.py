@@ -197,9 +197,10 @@ def _jacobian(probs: Tensor, E: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class ProjectedBasis:
     """The sample-independent products of k vectors G_j (k, n, d) that ``jacobian_apply``
-    reads, token-major: tokens (n, k, d) the vectors; value (h, n, k dv) G_j Wv_l; query
-    (h, n k, dh) G_j Wq_l; key (h, dh, k n) (G_j Wk_l)^T. Formed once per batch of samples
-    (``project_basis``): at k = 288 they are 1.9e9 flops, as much as a sample's products."""
+    reads: tokens (n, k, d) the vectors token-major; value (h, dv, n, k) G_j Wv_l feature-major
+    [l, e, m, j]; query (h, n k, dh) G_j Wq_l; key (h, dh, k n) (G_j Wk_l)^T. Formed once per
+    batch of samples (``project_basis``): at k = 288 they are 1.9e9 flops, as much as a
+    sample's products."""
 
     tokens: Tensor
     value: Tensor
@@ -216,81 +217,98 @@ def project_basis(basis: Tensor, data: JacobianData) -> ProjectedBasis:
         [heads * dv, heads * dh, heads * dh], dim=-1)
     return ProjectedBasis(
         tokens=tokens,
-        value=v.reshape(n, count, heads, dv).permute(2, 0, 1, 3).reshape(heads, n, count * dv),
+        value=v.reshape(n, count, heads, dv).permute(2, 3, 0, 1).contiguous(),
         query=q.reshape(n, count, heads, dh).permute(2, 0, 1, 3).reshape(heads, n * count, dh),
         key=k.reshape(n, count, heads, dh).permute(2, 3, 1, 0).reshape(heads, dh, count * n))
+
+
+def _mix_tokens(probs: Tensor, value: Tensor) -> Tensor:
+    """P_l V_le for every sample, head l and feature e: probs (B, h, n, n), value
+    (h, dv, n, k), shared by the samples -> (B, h, dv, n, k) [b, l, e, i, j]. One batched
+    product over (l, e) per sample: broadcasting the shared value over the samples would copy
+    it once per sample."""
+    batch, heads, n, _ = probs.shape
+    _, dv, _, count = value.shape
+    out = value.new_empty(batch, heads, dv, n, count)
+    flat = value.view(heads * dv, n, count)
+    for b in range(batch):
+        torch.bmm(probs[b, :, None].expand(heads, dv, n, n).reshape(heads * dv, n, n), flat,
+                  out=out[b].view(heads * dv, n, count))
+    return out
 
 
 def jacobian_apply(basis: Tensor, data: JacobianData, softmax: bool,
                    projected: ProjectedBasis | None = None) -> Tensor:
     """T_X G_j, or (T_X + D_X) G_j with ``softmax``, for the same k vectors G_j (k, n, d) for
-    every sample: (B, k, n, d), a transposed view of token-major (B, n, k, d) memory.
+    every sample: (B, k, n, d), contiguous (one row of length n d a vector, as
+    ``deflation.deflated_norm_bound`` reads them).
 
     G_j Wv_l, G_j Wq_l, G_j Wk_l do not depend on the sample: ``projected`` (from
-    ``project_basis(basis, data)``, formed here if not given). The work runs token-major,
-    [b, l, i, j, e] for token i and vector j: P_l mixes tokens as one (n x n) by (n x k dv)
-    product per sample and head, and both halves of the score change land in that order
-    without a transposed copy; the output projection is one product per head, added to the
-    residual in place."""
+    ``project_basis(basis, data)``, formed here if not given). The values run feature-major,
+    [b, l, e, i, j] for head l, feature e, token i and vector j: P_l mixes tokens as one
+    (n x n) by (n x k) product per head and feature, the softmax part adds one product per
+    head, and the output projection reads them as one (n k x h dv) operand in place, without a
+    copy; a last transposed copy puts the rows in vector order."""
     heads, n, dv, _ = data.shape
     count, _, d = basis.shape
     batch = data.probs.shape[0]
     if projected is None:
         projected = project_basis(basis, data)
-    tokens_first, v, q, k = projected.tokens, projected.value, projected.query, projected.key
-    mixed = data.probs @ v  # P_l G_j Wv_l: (B, h, n, k dv) [b, l, i, (j, e)]
+    mixed = _mix_tokens(data.probs, projected.value)  # P_l G_j Wv_l [b, l, e, i, j]
     if softmax:
         # E1_l(G_j) = G_j Wq_l (X Wk_l)^T + X Wq_l (G_j Wk_l)^T: [b, l, i, (j, m)]
-        scores = (q @ data.x_key.mT).view(batch, heads, n, count * n)
-        scores += data.x_query @ k
+        scores = (projected.query @ data.x_key.mT).view(batch, heads, n, count * n)
+        scores += data.x_query @ projected.key
         scores = _jacobian(data.probs[:, :, :, None], scores.view(batch, heads, n, count, n))
-        # + J_l(E1_l(G_j)) X Wv_l / s, summed in place
-        mixed.view(batch * heads, n * count, dv).baddbmm_(
-            scores.view(batch * heads, n * count, n),
-            (data.x_value / data.scale).reshape(batch * heads, n, dv))
-    mixed = mixed.view(batch, heads, n * count, dv)
-    # the first head's product starts a new tensor from the residual (expanded, not copied),
-    # the others add to it in place
-    output = data.output.view(heads, dv, d)
-    out = torch.baddbmm(tokens_first.reshape(1, n * count, d).expand(batch, -1, -1),
-                        mixed[:, 0], output[0].expand(batch, dv, d), beta=data.residual)
-    for head in range(1, heads):
-        out.baddbmm_(mixed[:, head], output[head].expand(batch, dv, d))
-    return out.view(batch, n, count, d).transpose(1, 2)
+        # + (X Wv_l / s)^T J_l(E1_l(G_j))^T, feature-major as the values
+        mixed.view(batch * heads, dv, n * count).baddbmm_(
+            (data.x_value / data.scale).reshape(batch * heads, n, dv).mT,
+            scores.view(batch * heads, n * count, n).mT)
+    out = torch.baddbmm(projected.tokens.view(1, n * count, d).expand(batch, -1, -1),
+                        mixed.view(batch, heads * dv, n * count).mT,
+                        data.output.expand(batch, -1, -1), beta=data.residual)  # [b, (i, j), f]
+    return out.view(batch, n, count, d).transpose(1, 2).contiguous()
 
 
 def jacobian_adjoint(Y: Tensor, data: JacobianData, softmax: bool) -> Tensor:
-    """T_X^T Y, or (T_X + D_X)^T Y with ``softmax``, for Y (B, k, n, d) -> (B, k, n, d), a
-    transposed view of token-major memory (``jacobian_apply``'s layout; its output is read
-    without a copy)."""
+    """T_X^T Y, or (T_X + D_X)^T Y with ``softmax``, for Y (B, k, n, d) -> (B, k, n, d),
+    contiguous (``jacobian_apply``'s layout).
+
+    Feature-major as ``jacobian_apply``: Wo_l Y^T is one product [b, (l, e), (j, i)], P_l^T
+    mixes its tokens per head and feature, and the product with Wv^T reads the result as one
+    operand in place. The softmax part is one more product (below)."""
     heads, n, dv, dh = data.shape
     batch, count, _, d = Y.shape
-    flat = Y.transpose(1, 2).reshape(batch, n * count, d)  # [b, (i, j), f]
-    mixed = (flat @ data.output.mT).view(batch, n * count, heads, dv).transpose(1, 2)
-    mixed = mixed.contiguous()  # Y Wo_l^T: (B, h, n k, dv) [b, l, (i, j), e]
-    value = data.probs.mT @ mixed.view(batch, heads, n, count * dv)  # P_l^T Y Wo_l^T
-    # the stacked projections' columns per part and head: (d, h, dv or dh) views
+    flat = Y.reshape(batch, count * n, d)  # [b, (j, i), f]
+    mixed = data.output @ flat.mT  # Y Wo_l^T: (B, h dv, k n) [b, (l, e), (j, i)]
+    # P_l^T Y Wo_l^T: [b, l, e, j, m]
+    value = mixed.view(batch, heads, dv, count, n) @ data.probs[:, :, None]
     parts = data.projections.split([heads * dv, heads * dh, heads * dh], dim=1)
-    weights = [part.view(d, heads, -1) for part in parts]
-    value = value.view(batch, heads, n * count, dv)
-    out = torch.baddbmm(flat, value[:, 0], weights[0][:, 0].mT.expand(batch, -1, d),
-                        beta=data.residual)  # a new tensor, summed into in place below
-    for head in range(1, heads):
-        out.baddbmm_(value[:, head], weights[0][:, head].mT.expand(batch, -1, d))
+    out = torch.baddbmm(flat, value.view(batch, heads * dv, count * n).mT,
+                        parts[0].mT.expand(batch, -1, -1), beta=data.residual)
     if softmax:
-        adjoint = _jacobian(data.probs[:, :, :, None], (mixed @ (data.x_value / data.scale).mT)
-                            .view(batch, heads, n, count, n))  # [b, l, i, j, m]
         # The score change G Wq_l (X Wk_l)^T + X Wq_l (G Wk_l)^T reads G through the (n x d)
         # matrices X Wk_l Wq_l^T (by token m) and X Wq_l Wk_l^T (by token i): with them, both
-        # halves of the adjoint are one product with inner dimension 2 h n, rows (token, j)
+        # halves of its adjoint are one product with inner dimension 2 h n, rows (j, token).
+        # Its left factor [b, j, i, half, l, m] takes the softmax Jacobian's output
+        # A_l[j, i, m] as half 0 (written there by the last elementwise step) and its
+        # transpose A_l[j, m, i] as half 1.
+        left = Y.new_empty(batch, count, n, 2, heads, n)
+        scores = (mixed.view(batch * heads, dv, count * n).mT
+                  @ (data.x_value / data.scale).reshape(batch * heads, n, dv).mT
+                  ).view(batch, heads, count, n, n)  # [b, l, j, i, m]
+        probs = data.probs[:, :, None]
+        weighted = scores.mul_(probs)  # the row-wise Jacobian diag(p) - p p^T, self-adjoint
+        torch.addcmul(weighted, probs, weighted.sum(dim=-1, keepdim=True), value=-1.0,
+                      out=left[:, :, :, 0].permute(0, 3, 1, 2, 4))  # [b, l, j, i, m]
+        left[:, :, :, 1] = left[:, :, :, 0].transpose(2, 4)
+        weights = [part.view(d, heads, -1) for part in parts]
         through_keys = data.x_key @ weights[1].permute(1, 2, 0)  # (B, h, n, d)
         through_queries = data.x_query @ weights[2].permute(1, 2, 0)
-        left = torch.stack([adjoint.permute(0, 2, 3, 1, 4),  # [b, i, j, l, m]
-                            adjoint.permute(0, 4, 3, 1, 2)], dim=3)  # [b, m, j, l, i]
         right = torch.stack([through_keys, through_queries], dim=1)  # (B, 2, h, n, d)
-        out.baddbmm_(left.reshape(batch, n * count, 2 * heads * n),
-                     right.reshape(batch, 2 * heads * n, d))
-    return out.view(batch, n, count, d).transpose(1, 2)
+        out.baddbmm_(left.view(batch, count * n, 2 * heads * n),
+                     right.view(batch, 2 * heads * n, d))
+    return out.view(batch, count, n, d)
 
 
 def jacobian_rounding(data: JacobianData) -> tuple[Tensor, Tensor]:
