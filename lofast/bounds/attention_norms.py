@@ -43,6 +43,7 @@ from lofast.bounds.first_order import (
 from lofast.bounds.near_reference import (
     SOFTMAX_NEGLIGIBLE,
     JacobianData,
+    ProjectedBasis,
     deflated_first_order_bound,
     head_deviation_bound,
     softmax_first_order_bound,
@@ -107,6 +108,10 @@ class BlockAtX:
         """The reference's deflation for these tokens (``AttentionSpec.deflation``), with the
         guarantee of ``reference_norm``."""
         return self.w.deflation(self.X.shape[1], large, self.method, self.generator)
+
+    def deflation_products(self, large: bool = False) -> ProjectedBasis:
+        """Its basis's products with the weights (``AttentionSpec.deflation_products``)."""
+        return self.w.deflation_products(self.X.shape[1], large, self.method, self.generator)
 
     @functools.cached_property
     def deviation(self) -> Tensor:
@@ -308,7 +313,7 @@ class DeflatedReference(NormStrategy):
         softmax = bounds.softmax[rows] if with_softmax else None
         bound, ritz = deflated_first_order_bound(
             data, block.deflation(self.large), block.reference_norm, block.head_deviation[rows],
-            softmax)
+            softmax, block.deflation_products(self.large))
         if softmax is None:
             zeta = torch.minimum(bounds.zeta[rows], bound)
             slack = 1.0 + block.method.relative_slack

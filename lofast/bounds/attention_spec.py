@@ -42,6 +42,7 @@ from lofast.bounds.first_order import (
     verified_reference_norm,
 )
 from lofast.bounds.krylov import LinearMap
+from lofast.bounds.near_reference import ProjectedBasis, project_basis
 from lofast.bounds.plain import PlainAttention
 from lofast.bounds.spectral import SpectralMethod, matrix_norm_upper, operator_norm
 from lofast.bounds.stage import Stage, StageRules
@@ -255,8 +256,8 @@ class AttentionSpec(Stage):
         (``deflation.probabilistic_deflation``): its complement holds with probability
         >= 1 - method.failure_probability over its random start (``_per_model_generator``)."""
         sizes = LARGE_DEFLATION_SIZES if large else DEFLATION_SIZES
+        key = self._deflation_key(tokens, large, method, generator)
         if self.probabilistic_reference(method):
-            key = (tokens, large, method, _seed(generator))
             if key not in self._deflations:
                 reference = self.reference_probabilities
                 apply, adjoint = self._reference_maps()
@@ -266,7 +267,7 @@ class AttentionSpec(Stage):
                     _per_model_generator(generator, reference.device, 3 if large else 2),
                     reference.device, sizes)
             return self._deflations[key]
-        if (tokens, large) not in self._deflations:
+        if key not in self._deflations:
             f = self.first_order_factors
             reference = self.reference_probabilities
             lift = {}
@@ -279,9 +280,36 @@ class AttentionSpec(Stage):
                 negated[0], float(error[0]), first_order_gram(reference[None], f), sizes,
                 overwrite=True,
                 rebuild=lambda: first_order_negated_gram(reference[None], f)[0][0], **lift)
-            self._deflations[tokens, large] = dataclasses.replace(
+            self._deflations[key] = dataclasses.replace(
                 deflation, complement=deflation.complement * f.unit)
-        return self._deflations[tokens, large]
+        return self._deflations[key]
+
+    def _deflation_key(self, tokens: int, large: bool, method: SpectralMethod | None,
+                       generator: torch.Generator | None) -> tuple:
+        """What a deflation depends on beyond the spec: the token count and size, and for a
+        probabilistic one the method and the seed of its random start."""
+        if self.probabilistic_reference(method):
+            return (tokens, large, method, _seed(generator))
+        return (tokens, large)
+
+    @functools.cached_property
+    def _deflation_products(self) -> dict[tuple, ProjectedBasis]:
+        return {}
+
+    def deflation_products(self, tokens: int, large: bool = False,
+                           method: SpectralMethod | None = None,
+                           generator: torch.Generator | None = None) -> ProjectedBasis:
+        """The products of ``deflation``'s basis with the value, query and key weights that
+        every sample's deflated bound reads (``near_reference.project_basis``), once per
+        deflation: about as much work as one sample's products at the large size."""
+        key = self._deflation_key(tokens, large, method, generator)
+        if key not in self._deflation_products:
+            deflation = self.deflation(tokens, large, method, generator)
+            projections, _ = self.jacobian_weights
+            self._deflation_products[key] = project_basis(
+                deflation.basis.mT.reshape(deflation.size, tokens, self.width), projections,
+                self.heads, self.value.shape[-1])
+        return self._deflation_products[key]
 
 
 def _per_model_generator(generator: torch.Generator | None, device: torch.device,

@@ -28,6 +28,7 @@ for any g >= 0 (V^T w = 0), which ``deflate_gram`` proves once by Cholesky.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -100,6 +101,11 @@ class Deflation:
     @property
     def size(self) -> int:
         return self.basis.shape[1]
+
+    @functools.cached_property
+    def basis_frobenius(self) -> float:
+        """An upper bound on ||V||_F (its float64 norm, inflated for rounding), once."""
+        return float(torch.linalg.vector_norm(self.basis)) * (1.0 + 2.0 ** -40)
 
 
 def deflate_gram(negated: Tensor, gram_error: float, gram: LinearMap | None = None,
@@ -322,8 +328,8 @@ def deflated_norm_bound(Y: Tensor, Z: Tensor, deflation: Deflation, deviation: T
                          f"deflation basis {tuple(V.shape)}")
     eta = deflation.orthogonality
     inflate = 1.0 + 2.0 ** -40
-    basis_f = float(torch.linalg.vector_norm(V)) * inflate
-    K, S, e_k, e_s = deflated_grams(Y, Z, rounding * basis_f, rounding, norm_bound, eta)
+    K, S, e_k, e_s = deflated_grams(Y, Z, rounding * deflation.basis_frobenius, rounding,
+                                    norm_bound, eta)
     k_f = torch.linalg.vector_norm(K, dim=(1, 2)) * inflate
     s_f = torch.linalg.vector_norm(S, dim=(1, 2)) * inflate
     c = ((deflation.complement + deviation) * inflate).square() * inflate  # >= c exactly

@@ -199,8 +199,8 @@ class ProjectedBasis:
     """The sample-independent products of k vectors G_j (k, n, d) that ``jacobian_apply``
     reads: tokens (n, k, d) the vectors token-major; value (h, dv, n, k) G_j Wv_l feature-major
     [l, e, m, j]; query (h, n k, dh) G_j Wq_l; key (h, dh, k n) (G_j Wk_l)^T. Formed once per
-    batch of samples (``project_basis``): at k = 288 they are 1.9e9 flops, as much as a
-    sample's products."""
+    model (``AttentionSpec.deflation_products``): at k = 288 they are 1.9e9 flops, as much as
+    a sample's products."""
 
     tokens: Tensor
     value: Tensor
@@ -208,12 +208,15 @@ class ProjectedBasis:
     key: Tensor
 
 
-def project_basis(basis: Tensor, data: JacobianData) -> ProjectedBasis:
-    """``ProjectedBasis`` of the vectors basis (k, n, d) with the weights of ``data``."""
-    heads, n, dv, dh = data.shape
-    count, _, d = basis.shape
+def project_basis(basis: Tensor, projections: Tensor, heads: int,
+                  value_width: int) -> ProjectedBasis:
+    """``ProjectedBasis`` of the vectors basis (k, n, d) with the stacked projections
+    [Wv_1 .. Wv_h | Wq_1 .. Wq_h | Wk_1 .. Wk_h] (d, h (dv + 2 dh)), dv = value_width."""
+    count, n, d = basis.shape
+    dv = value_width
+    dh = (projections.shape[1] - heads * dv) // (2 * heads)
     tokens = basis.transpose(0, 1).contiguous()  # [i, j, f]
-    v, q, k = (tokens.view(n * count, d) @ data.projections).split(
+    v, q, k = (tokens.view(n * count, d) @ projections).split(
         [heads * dv, heads * dh, heads * dh], dim=-1)
     return ProjectedBasis(
         tokens=tokens,
@@ -244,7 +247,7 @@ def jacobian_apply(basis: Tensor, data: JacobianData, softmax: bool,
     ``deflation.deflated_norm_bound`` reads them).
 
     G_j Wv_l, G_j Wq_l, G_j Wk_l do not depend on the sample: ``projected`` (from
-    ``project_basis(basis, data)``, formed here if not given). The values run feature-major,
+    ``project_basis``, formed here if not given). The values run feature-major,
     [b, l, e, i, j] for head l, feature e, token i and vector j: P_l mixes tokens as one
     (n x n) by (n x k) product per head and feature, the softmax part adds one product per
     head, and the output projection reads them as one (n k x h dv) operand in place, without a
@@ -253,7 +256,7 @@ def jacobian_apply(basis: Tensor, data: JacobianData, softmax: bool,
     count, _, d = basis.shape
     batch = data.probs.shape[0]
     if projected is None:
-        projected = project_basis(basis, data)
+        projected = project_basis(basis, data.projections, heads, dv)
     mixed = _mix_tokens(data.probs, projected.value)  # P_l G_j Wv_l [b, l, e, i, j]
     if softmax:
         # E1_l(G_j) = G_j Wq_l (X Wk_l)^T + X Wq_l (G_j Wk_l)^T: [b, l, i, (j, m)]
@@ -344,19 +347,23 @@ def jacobian_rounding(data: JacobianData) -> tuple[Tensor, Tensor]:
 
 
 def deflated_first_order_bound(data: JacobianData, deflation: Deflation, reference_norm: Tensor,
-                               deviation: Tensor,
-                               softmax: Tensor | None) -> tuple[Tensor, Tensor]:
+                               deviation: Tensor, softmax: Tensor | None,
+                               projected: ProjectedBasis | None = None) -> tuple[Tensor, Tensor]:
     """A deterministic upper bound (B,) on ||T_X||, or on ||T_X + D_X|| given softmax (B,)
     >= ||D_X||, and its Rayleigh-Ritz estimate (B,), by ``deflation.deflated_norm_bound``
     (3. of the module docstring). deflation: of T_R, ``complement`` in the units of T_X;
-    reference_norm >= ||T_R||; deviation (B,) >= ||T_X - T_R||. The samples run in chunks
-    whose (k, n, d) products fit the device's workspace (``first_order.sample_chunks``): a
-    large deflation holds k n d float64 numbers per sample in each of several tensors."""
+    reference_norm >= ||T_R||; deviation (B,) >= ||T_X - T_R||; projected: the basis's
+    ``project_basis`` (formed here if not given; ``AttentionSpec.deflation_products`` keeps it
+    per model). The samples run in chunks whose (k, n, d) products fit the device's workspace
+    (``first_order.sample_chunks``): a large deflation holds k n d float64 numbers per sample
+    in each of several tensors."""
     batch, _, n, _ = data.probs.shape
     count, d = deflation.size, data.output.shape[1]
     with_softmax = softmax is not None
     basis = deflation.basis.mT.reshape(count, n, d)
-    projected = project_basis(basis, data)  # shared by every chunk
+    if projected is None:
+        heads, _, dv, _ = data.shape
+        projected = project_basis(basis, data.projections, heads, dv)
     r_first, r_jacobian = jacobian_rounding(data)
     rounding = r_jacobian if with_softmax else r_first
     whole = deviation + softmax if with_softmax else deviation
