@@ -188,10 +188,14 @@ class JacobianData:
                 self.x_query.shape[3])
 
 
-def _jacobian(probs: Tensor, E: Tensor) -> Tensor:
-    """Row-wise softmax Jacobian diag(p) - p p^T applied to the rows of E (self-adjoint)."""
-    weighted = probs * E
-    return weighted - probs * weighted.sum(dim=-1, keepdim=True)
+def _jacobian(probs: Tensor, E: Tensor, out: Tensor | None = None) -> Tensor:
+    """Row-wise softmax Jacobian diag(p) - p p^T (self-adjoint) applied to the rows of E, which
+    it overwrites as scratch; the result goes to out (a view of any strides), else to E."""
+    weighted = E.mul_(probs)
+    if out is None:
+        return weighted.addcmul_(probs, weighted.sum(dim=-1, keepdim=True), value=-1.0)
+    return torch.addcmul(weighted, probs, weighted.sum(dim=-1, keepdim=True), value=-1.0,
+                         out=out)
 
 
 @dataclass(frozen=True)
@@ -300,10 +304,8 @@ def jacobian_adjoint(Y: Tensor, data: JacobianData, softmax: bool) -> Tensor:
         scores = (mixed.view(batch * heads, dv, count * n).mT
                   @ (data.x_value / data.scale).reshape(batch * heads, n, dv).mT
                   ).view(batch, heads, count, n, n)  # [b, l, j, i, m]
-        probs = data.probs[:, :, None]
-        weighted = scores.mul_(probs)  # the row-wise Jacobian diag(p) - p p^T, self-adjoint
-        torch.addcmul(weighted, probs, weighted.sum(dim=-1, keepdim=True), value=-1.0,
-                      out=left[:, :, :, 0].permute(0, 3, 1, 2, 4))  # [b, l, j, i, m]
+        _jacobian(data.probs[:, :, None], scores,
+                  out=left[:, :, :, 0].permute(0, 3, 1, 2, 4))  # [b, l, j, i, m]
         left[:, :, :, 1] = left[:, :, :, 0].transpose(2, 4)
         weights = [part.view(d, heads, -1) for part in parts]
         through_keys = data.x_key @ weights[1].permute(1, 2, 0)  # (B, h, n, d)
