@@ -82,6 +82,31 @@ def test_restarts_run_side_by_side_and_the_first_to_find_wins(trained):
     assert (three.adversarial_class[three.found] != y[three.found]).all()
 
 
+def test_the_attack_runs_on_the_runs_device(trained, monkeypatch):
+    """The attack's float64 copy lives on the device the run certifies on (a GPU run attacks on
+    the GPU, not on the host's cores): here an explicit CPU device object stands in for the
+    resolved device, and every float64 copy the run makes is made there."""
+    import lofast
+    from lofast import runtime
+    from lofast.config import AttackSettings
+    from lofast.data import ImageDataset
+    from lofast.models.vit import LipschitzViT
+
+    model, x, y = trained
+    run_device = torch.device("cpu", 0)
+    monkeypatch.setattr(runtime, "resolve_device", lambda name: run_device)
+    copies = []
+    original = LipschitzViT.frozen_float64
+    monkeypatch.setattr(LipschitzViT, "frozen_float64",
+                        lambda self, device: copies.append(device) or original(self, device))
+    pixels = (x[:4] * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    data = ImageDataset(images=np.ascontiguousarray(pixels), labels=y[:4].numpy(),
+                        classes=("a", "b", "c", "d"), name="folder")
+    lofast.certify(model, data, eps=[0.05], attack=AttackSettings(steps=3, restarts=1))
+    # every float64 copy of the run (the certifier's and the attack's) on the run's device
+    assert len(copies) >= 2 and all(isinstance(d, torch.device) and d == run_device
+                                    for d in copies), copies
+
 def test_attack_takes_the_exact_caps_once(trained, monkeypatch):
     """A ViT under attack computes its exact caps (an SVD each) once for the whole attack, not
     in each of its forward passes, and nothing stays held afterwards."""

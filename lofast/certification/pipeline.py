@@ -109,8 +109,9 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
         order = order[shard[0]::shard[1]]
     if config.attack is not None and config.attack.save_dir is not None:
         check_writable(config.attack.save_dir / f"{run_name(run)}.npz")  # before any work
-    # the attack's float64 copy, once per run (its effective weights held: no SVD per batch)
-    attacked = model.frozen_float64("cpu") if config.attack is not None else None
+    # the attack's float64 copy, once per run (its effective weights held: no SVD per batch),
+    # on the run's device: float64 PGD on a GPU, not on the host's cores
+    attacked = model.frozen_float64(device) if config.attack is not None else None
     writer = RecordWriter(out, config.resume, config.eps, run)
     todo = [int(i) for i in order if int(i) not in writer.done]
     # a file resumed with a smaller --n holds records outside this run's samples: not counted
