@@ -96,6 +96,21 @@ def test_products_match_the_maps_and_their_adjoints():
                           rtol=1e-12)
 
 
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_token_mixing_is_the_same_per_sample_and_for_the_whole_batch(batch):
+    """``_mix_tokens``' two ways (a product per sample on a CPU, one for the batch elsewhere)
+    give P_l V_le exactly, against an einsum."""
+    from lofast.bounds.near_reference import _mix_tokens
+
+    g = torch.Generator().manual_seed(batch)
+    probs = torch.softmax(torch.randn(batch, 2, 5, 5, generator=g, dtype=F64), dim=-1)
+    value = torch.randn(2, 3, 5, 4, generator=g, dtype=F64)
+    expected = torch.einsum("blim,lemj->bleij", probs, value)
+    for per_sample in (True, False):
+        assert torch.allclose(_mix_tokens(probs, value, per_sample), expected, rtol=1e-14,
+                              atol=1e-15)
+
 def test_rounding_bound_covers_single_precision_products():
     # the rounding bound scales with the unit roundoff: the same products in float32 (data
     # included) stay within r * (u32 / u64) of the float64 ones

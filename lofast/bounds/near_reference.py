@@ -229,11 +229,16 @@ def project_basis(basis: Tensor, projections: Tensor, heads: int,
         key=k.reshape(n, count, heads, dh).permute(2, 3, 1, 0).reshape(heads, dh, count * n))
 
 
-def _mix_tokens(probs: Tensor, value: Tensor) -> Tensor:
+def _mix_tokens(probs: Tensor, value: Tensor, per_sample: bool | None = None) -> Tensor:
     """P_l V_le for every sample, head l and feature e: probs (B, h, n, n), value
-    (h, dv, n, k), shared by the samples -> (B, h, dv, n, k) [b, l, e, i, j]. One batched
-    product over (l, e) per sample: broadcasting the shared value over the samples would copy
-    it once per sample."""
+    (h, dv, n, k), shared by the samples -> (B, h, dv, n, k) [b, l, e, i, j].
+
+    per_sample (default: on a CPU): one batched product over (l, e) per sample, where
+    broadcasting the shared value over the samples would copy it once per sample; elsewhere one
+    product for the whole batch (a GPU's chunks hold hundreds of samples, and copying is
+    cheaper there than a launch per sample)."""
+    if not (probs.device.type == "cpu" if per_sample is None else per_sample):
+        return torch.matmul(probs[:, :, None], value)
     batch, heads, n, _ = probs.shape
     _, dv, _, count = value.shape
     out = value.new_empty(batch, heads, dv, n, count)
