@@ -280,6 +280,33 @@ def test_deflated_bounds_dominate_the_dense_norms(gain, biased, residual):
         assert (bound <= whole * (1 + 1e-4)).all(), (bound / whole)
 
 
+
+def test_the_deflation_products_are_made_once_per_model_and_change_no_bound(monkeypatch):
+    """``AttentionSpec.deflation_products`` keeps the basis's products with the weights per
+    deflation: a second batch reuses them (no second ``project_basis``), and the bound from
+    them is the bound from products made afresh, to the bit."""
+    from lofast.bounds import attention_spec
+
+    n, d, h, dh = 6, 12, 3, 4
+    w = live_block(n, d, h, dh, 0.3, seed=13)
+    X = patterned_tokens("alike", 3, n, d, seed=14)
+    data = jacobian_data(X, w)
+    deviation = head_deviation_bound(
+        first_order.reference_deviation_norms(data.probs, w.reference_probabilities),
+        w.weight_norms[1], w.stacked_norms[2] * w.stacked_norms[3])
+    reference_norm, _ = w.reference_first_order
+    made = []
+    original = attention_spec.project_basis
+    monkeypatch.setattr(attention_spec, "project_basis",
+                        lambda *args: made.append(1) or original(*args))
+    deflation = w.deflation(n)
+    kept = [w.deflation_products(n) for _ in range(2)]
+    assert len(made) == 1 and kept[0] is kept[1]
+    fresh = deflated_first_order_bound(data, deflation, reference_norm, deviation, None)
+    reused = deflated_first_order_bound(data, deflation, reference_norm, deviation, None,
+                                        kept[0])
+    assert all(torch.equal(a, b) for a, b in zip(fresh, reused))
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_reference_norm_lies_within_its_slack_above_the_dense_norm(seed):
     # ||T_R|| for a position bias's softmax R, verified once per block from a Lanczos estimate
