@@ -294,7 +294,8 @@ def jacobian_adjoint(Y: Tensor, data: JacobianData, softmax: bool) -> Tensor:
     flat = Y.reshape(batch, count * n, d)  # [b, (j, i), f]
     mixed = data.output @ flat.mT  # Y Wo_l^T: (B, h dv, k n) [b, (l, e), (j, i)]
     # P_l^T Y Wo_l^T: [b, l, e, j, m]
-    value = mixed.view(batch, heads, dv, count, n) @ data.probs[:, :, None]
+    value = (mixed.view(batch * heads, dv * count, n)
+             @ data.probs.reshape(batch * heads, n, n)).view(batch, heads, dv, count, n)
     parts = data.projections.split([heads * dv, heads * dh, heads * dh], dim=1)
     out = torch.baddbmm(flat, value.view(batch, heads * dv, count * n).mT,
                         parts[0].mT.expand(batch, -1, -1), beta=data.residual)
@@ -312,12 +313,14 @@ def jacobian_adjoint(Y: Tensor, data: JacobianData, softmax: bool) -> Tensor:
         _jacobian(data.probs[:, :, None], scores,
                   out=left[:, :, :, 0].permute(0, 3, 1, 2, 4))  # [b, l, j, i, m]
         left[:, :, :, 1] = left[:, :, :, 0].transpose(2, 4)
-        weights = [part.view(d, heads, -1) for part in parts]
-        through_keys = data.x_key @ weights[1].permute(1, 2, 0)  # (B, h, n, d)
-        through_queries = data.x_query @ weights[2].permute(1, 2, 0)
-        right = torch.stack([through_keys, through_queries], dim=1)  # (B, 2, h, n, d)
+        # X Wk_l Wq_l^T and X Wq_l Wk_l^T: one product per head over all samples each
+        # (broadcasting the weights over the samples would copy them once per sample)
+        halves_right = [torch.bmm(tokens.transpose(0, 1).reshape(heads, batch * n, dh),
+                                  weight.view(d, heads, dh).permute(1, 2, 0))
+                        for tokens, weight in ((data.x_key, parts[1]), (data.x_query, parts[2]))]
+        right = torch.stack(halves_right).view(2, heads, batch, n, d).permute(2, 0, 1, 3, 4)
         out.baddbmm_(left.view(batch, count * n, 2 * heads * n),
-                     right.view(batch, 2 * heads * n, d))
+                     right.reshape(batch, 2 * heads * n, d))
     return out.view(batch, count, n, d)
 
 
