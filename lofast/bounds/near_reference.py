@@ -287,8 +287,9 @@ def jacobian_adjoint(Y: Tensor, data: JacobianData, softmax: bool) -> Tensor:
     contiguous (``jacobian_apply``'s layout).
 
     Feature-major as ``jacobian_apply``: Wo_l Y^T is one product [b, (l, e), (j, i)], P_l^T
-    mixes its tokens per head and feature, and the product with Wv^T reads the result as one
-    operand in place. The softmax part is one more product (below)."""
+    mixes its tokens in one (dv k x n) by (n x n) product per sample and head, and the product
+    with Wv^T reads the result as one operand in place. The softmax part is one more product
+    (below)."""
     heads, n, dv, dh = data.shape
     batch, count, _, d = Y.shape
     flat = Y.reshape(batch, count * n, d)  # [b, (j, i), f]
