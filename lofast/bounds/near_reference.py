@@ -51,6 +51,7 @@ from torch import Tensor
 
 from lofast.bounds.deflation import Deflation, deflated_norm_bound
 from lofast.bounds.first_order import sample_chunks
+from lofast.bounds.softmax_terms import row_softmax_jacobian
 from lofast.bounds.spectral import matrix_norm_upper
 from lofast.bounds.verified import gamma
 
@@ -188,16 +189,6 @@ class JacobianData:
                 self.x_query.shape[3])
 
 
-def _jacobian(probs: Tensor, E: Tensor, out: Tensor | None = None) -> Tensor:
-    """Row-wise softmax Jacobian diag(p) - p p^T (self-adjoint) applied to the rows of E, which
-    it overwrites as scratch; the result goes to out (a view of any strides), else to E."""
-    weighted = E.mul_(probs)
-    if out is None:
-        return weighted.addcmul_(probs, weighted.sum(dim=-1, keepdim=True), value=-1.0)
-    return torch.addcmul(weighted, probs, weighted.sum(dim=-1, keepdim=True), value=-1.0,
-                         out=out)
-
-
 @dataclass(frozen=True)
 class ProjectedBasis:
     """The sample-independent products of k vectors G_j (k, n, d) that ``jacobian_apply``
@@ -271,7 +262,8 @@ def jacobian_apply(basis: Tensor, data: JacobianData, softmax: bool,
         # E1_l(G_j) = G_j Wq_l (X Wk_l)^T + X Wq_l (G_j Wk_l)^T: [b, l, i, (j, m)]
         scores = (projected.query @ data.x_key.mT).view(batch, heads, n, count * n)
         scores += data.x_query @ projected.key
-        scores = _jacobian(data.probs[:, :, :, None], scores.view(batch, heads, n, count, n))
+        scores = row_softmax_jacobian(data.probs[:, :, :, None],
+                                      scores.view(batch, heads, n, count, n))
         # + (X Wv_l / s)^T J_l(E1_l(G_j))^T, feature-major as the values
         mixed.view(batch * heads, dv, n * count).baddbmm_(
             (data.x_value / data.scale).reshape(batch * heads, n, dv).mT,
@@ -311,7 +303,7 @@ def jacobian_adjoint(Y: Tensor, data: JacobianData, softmax: bool) -> Tensor:
         scores = (mixed.view(batch * heads, dv, count * n).mT
                   @ (data.x_value / data.scale).reshape(batch * heads, n, dv).mT
                   ).view(batch, heads, count, n, n)  # [b, l, j, i, m]
-        _jacobian(data.probs[:, :, None], scores,
+        row_softmax_jacobian(data.probs[:, :, None], scores,
                   out=left[:, :, :, 0].permute(0, 3, 1, 2, 4))  # [b, l, j, i, m]
         left[:, :, :, 1] = left[:, :, :, 0].transpose(2, 4)
         # X Wk_l Wq_l^T and X Wq_l Wk_l^T: one product per head over all samples each

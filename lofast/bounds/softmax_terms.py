@@ -166,6 +166,17 @@ def score_norm(x_score: Tensor, x_score_t: Tensor, method: SpectralMethod,
     return torch.cat(parts).reshape(batch, heads)
 
 
+def row_softmax_jacobian(probs: Tensor, E: Tensor, out: Tensor | None = None) -> Tensor:
+    """The row-wise softmax Jacobian diag(p) - p p^T (self-adjoint) applied to the rows of E,
+    for probabilities probs broadcastable to E's shape. E is overwritten as scratch; the
+    result goes to out (a view of any strides), else to E."""
+    weighted = E.mul_(probs)
+    if out is None:
+        return weighted.addcmul_(probs, weighted.sum(dim=-1, keepdim=True), value=-1.0)
+    return torch.addcmul(weighted, probs, weighted.sum(dim=-1, keepdim=True), value=-1.0,
+                         out=out)
+
+
 def softmax_first_order_maps(probs: Tensor, through_keys: HeadMatrices,
                              through_queries: HeadMatrices, right: HeadMatrices,
                              scale: float) -> tuple[LinearMap, LinearMap]:
@@ -179,12 +190,9 @@ def softmax_first_order_maps(probs: Tensor, through_keys: HeadMatrices,
     matrix [R_1^T; ...] [R_1^T; ...]^T as [X B_1; ...] gives a map of the same norm. J_l is
     the row-wise softmax Jacobian diag(p) - p p^T, self-adjoint."""
 
-    def jacobian(E: Tensor) -> Tensor:
-        weighted = probs * E
-        return weighted - probs * weighted.sum(dim=-1, keepdim=True)
-
     def apply(G: Tensor) -> Tensor:
-        mixed = jacobian(_times(G, through_keys) + _times(G, through_queries).mT)  # (B, h, n, n)
+        mixed = row_softmax_jacobian(  # (B, h, n, n)
+            probs, _times(G, through_keys) + _times(G, through_queries).mT)
         if isinstance(right, FactoredProduct):  # sum_l M_l right_l = sum_l M_l (right_l^T)^T
             return _times_transposed(mixed, right) / scale
         return torch.einsum("bhij,bhjk->bik", mixed, right) / scale
@@ -192,7 +200,7 @@ def softmax_first_order_maps(probs: Tensor, through_keys: HeadMatrices,
     def adjoint(Z: Tensor) -> Tensor:
         values = (_times(Z, right) if isinstance(right, FactoredProduct)  # Z right_l^T
                   else torch.einsum("bik,bhjk->bhij", Z, right))
-        mixed = jacobian(values / scale)
+        mixed = row_softmax_jacobian(probs, values / scale)
         return _times_transposed(mixed, through_keys) + _times_transposed(mixed.mT,
                                                                           through_queries)
 
