@@ -8,8 +8,15 @@ block with the softmax refinement, what its factor is made of: the first-order c
 input radius (mean over the samples; they add up to the factor wherever the refined bound is
 the one in use, the share given last). Writes JSON.
 
+--jacobians K adds, for the first K of the images, what a certificate that follows the
+perturbation's direction across stages could at best gain: every stage's Jacobian norm at the
+clean input, the norm of the Jacobian from the image to the stage's output, and the product of
+the stage norms up to there (power iteration with forward- and reverse-mode products, float64:
+estimates from below, not bounds). Where the image-to-stage norm falls below the product, the
+stage-by-stage composition loses the difference even with every second-order term gone.
+
     python benchmarks/radius_budget.py [--checkpoint CKPT] [--n 50] [--eps 36/255]
-        [--out radius_budget.json]
+        [--jacobians 6] [--out radius_budget.json]
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import json
 import math
 
 import torch
+from torch.func import jvp, vjp
 
 from lofast.bounds.spectral import SpectralMethod
 from lofast.certification.certificate import Certifier, CertifySettings
@@ -31,6 +39,9 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--n", type=int, default=50, help="first N bundled images")
     parser.add_argument("--eps", default="36/255")
+    parser.add_argument("--jacobians", type=int, default=0, metavar="K",
+                        help="Jacobian norms of every stage and every prefix on the first K "
+                             "images (slow: about 10 s an image for a 17-token model)")
     parser.add_argument("--out", default="radius_budget.json")
     args = parser.parse_args()
 
@@ -79,10 +90,65 @@ def main() -> None:
         print(f"{i:>3} {split['first_order_geometric_mean']:>12.4f} {split['scores_mean']:>9.4f} "
               f"{split['remainder_mean']:>12.4f} {split['values_mean']:>9.4f} "
               f"{split['refined_in_use']:>15.0%}")
+    jacobians = composition_gap(certifier.structure[:-1], x[: args.jacobians], logs, names)
     with open(args.out, "w") as f:
         json.dump({"checkpoint": str(checkpoint), "eps": eps, "images": len(y),
                    "total_geometric_mean": total.mean().exp().item(), "stages": rows,
-                   "attention_factor": attention}, f, indent=2)
+                   "attention_factor": attention, "jacobians": jacobians}, f, indent=2)
+
+
+def composition_gap(structure, images, logs, names, iterations: int = 60) -> list[dict]:
+    """Per stage, geometric means over ``images`` (K, C, H, W) of: the stage's Jacobian norm at
+    its clean input, the image-to-stage-output Jacobian norm, the product of the stage norms up
+    to the stage, and the certificate's factor (``logs`` (S, B), log factors). Prints the table;
+    returns its rows ([] without images)."""
+    if len(images) == 0:
+        return []
+    modules = [spec.plain() for spec in structure]
+    stage, prefix = [], []  # (K,) per stage
+    for image in images.to(torch.float64):
+        activations = [image[None]]
+        for module in modules:
+            activations.append(module(activations[-1]))
+        stage.append([power_norm(m, a, iterations) for m, a in zip(modules, activations)])
+        prefix.append([power_norm(torch.nn.Sequential(*modules[: k + 1]), image[None], iterations)
+                       for k in range(len(modules))])
+    stage_log = torch.tensor(stage, dtype=torch.float64).log().T  # (S, K)
+    prefix_log = torch.tensor(prefix, dtype=torch.float64).log().T
+    product_log = stage_log.cumsum(dim=0)
+    factor_log = logs[:, : len(images)].cumsum(dim=0)
+    print(f"Jacobian norms at the clean inputs, first {len(images)} images (geometric means; "
+          "power iteration):")
+    print(f"{'#':>3} {'stage':10} {'stage norm':>11} {'image->here':>12} {'product':>9} "
+          f"{'certificate':>12}")
+    rows = []
+    for i, name in enumerate(names):
+        row = {"stage": i, "kind": name, "stage_norm": stage_log[i].mean().exp().item(),
+               "prefix_norm": prefix_log[i].mean().exp().item(),
+               "product_of_stage_norms": product_log[i].mean().exp().item(),
+               "certificate_factor": factor_log[i].mean().exp().item()}
+        rows.append(row)
+        print(f"{i:>3} {name:10} {row['stage_norm']:>11.4f} {row['prefix_norm']:>12.4f} "
+              f"{row['product_of_stage_norms']:>9.4f} {row['certificate_factor']:>12.4f}")
+    loss = (product_log[-1] - prefix_log[-1]).mean().exp().item()
+    print(f"composing stage by stage loses {loss:.3g}x at the pooled features (product of the "
+          "stage norms over the image-to-features norm)")
+    return rows
+
+
+def power_norm(function, point: torch.Tensor, iterations: int) -> float:
+    """Estimate of the norm of ``function``'s Jacobian at ``point`` (power iteration on J^T J,
+    a Rayleigh quotient: at most the norm, float64)."""
+    _, pull = vjp(function, point)
+    generator = torch.Generator().manual_seed(0)
+    v = torch.randn(point.shape, generator=generator, dtype=torch.float64)
+    v = v / v.norm()
+    for _ in range(iterations):
+        (v,) = pull(jvp(function, (point,), (v,))[1])
+        if v.norm() == 0:
+            return 0.0
+        v = v / v.norm()
+    return jvp(function, (point,), (v,))[1].norm().item()
 
 
 if __name__ == "__main__":
