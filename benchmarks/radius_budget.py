@@ -28,7 +28,7 @@ import math
 import torch
 from torch.func import jvp, vjp
 
-from lofast.bounds.spectral import SpectralMethod
+from lofast.bounds.spectral import SpectralMethod, power_norm
 from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.checkpoint import default_checkpoint_path, load_checkpoint
 from lofast.data.sample import class_balanced_order, load_bundled_sample
@@ -44,6 +44,8 @@ def main() -> None:
                              "images (slow: about 10 s an image for a 17-token model)")
     parser.add_argument("--out", default="radius_budget.json")
     args = parser.parse_args()
+    if not 0 <= args.jacobians <= args.n:
+        parser.error(f"--jacobians must lie between 0 and --n ({args.n}), not {args.jacobians}")
 
     numerator, _, denominator = args.eps.partition("/")
     eps = float(numerator) / float(denominator or 1)
@@ -110,8 +112,8 @@ def composition_gap(structure, images, logs, names, iterations: int = 60) -> lis
         activations = [image[None]]
         for module in modules:
             activations.append(module(activations[-1]))
-        stage.append([power_norm(m, a, iterations) for m, a in zip(modules, activations)])
-        prefix.append([power_norm(torch.nn.Sequential(*modules[: k + 1]), image[None], iterations)
+        stage.append([jacobian_norm(m, a, iterations) for m, a in zip(modules, activations)])
+        prefix.append([jacobian_norm(torch.nn.Sequential(*modules[: k + 1]), image[None], iterations)
                        for k in range(len(modules))])
     stage_log = torch.tensor(stage, dtype=torch.float64).log().T  # (S, K)
     prefix_log = torch.tensor(prefix, dtype=torch.float64).log().T
@@ -136,20 +138,16 @@ def composition_gap(structure, images, logs, names, iterations: int = 60) -> lis
     return rows
 
 
-def power_norm(function, point: torch.Tensor, iterations: int) -> float:
-    """Estimate of the norm of ``function``'s Jacobian at ``point`` (power iteration on J^T J,
-    a Rayleigh quotient: at most the norm, float64)."""
+def jacobian_norm(function, point: torch.Tensor, iterations: int) -> float:
+    """Estimate of the norm of ``function``'s Jacobian at ``point`` (1, ...): the project's
+    power iteration (``spectral.power_norm``, at most the norm) on forward- and reverse-mode
+    products, float64."""
     _, pull = vjp(function, point)
-    generator = torch.Generator().manual_seed(0)
-    v = torch.randn(point.shape, generator=generator, dtype=torch.float64)
-    v = v / v.norm()
-    for _ in range(iterations):
-        (v,) = pull(jvp(function, (point,), (v,))[1])
-        if v.norm() == 0:
-            return 0.0
-        v = v / v.norm()
-    return jvp(function, (point,), (v,))[1].norm().item()
-
+    start = torch.randn(1, point[0].numel(), generator=torch.Generator().manual_seed(0),
+                        dtype=torch.float64)
+    start = start / start.norm()
+    return power_norm(lambda q: jvp(function, (point,), (q,))[1], lambda y: pull(y)[0], start,
+                      tuple(point.shape[1:]), iterations).item()
 
 if __name__ == "__main__":
     main()
