@@ -111,6 +111,27 @@ def test_token_mixing_is_the_same_per_sample_and_for_the_whole_batch(batch):
         assert torch.allclose(_mix_tokens(probs, value, per_sample), expected, rtol=1e-14,
                               atol=1e-15)
 
+def test_the_row_softmax_jacobian_in_place_out_of_place_and_under_vmap():
+    # one owner for diag(p) - p p^T on rows: written to out (here E itself, the hot path's
+    # form), to a new tensor, or batched by torch.func.vmap (the dense maps of the verified
+    # norms), always the float64 reference, and vmap with no unbatched fallback (a warning)
+    import warnings
+
+    probs = torch.softmax(torch.randn(3, 5, 6, dtype=F64), dim=-1)
+    E = torch.randn(4, 3, 5, 6, dtype=F64)
+    reference = torch.stack([torch.einsum("hrij,hrj->hri", torch.diag_embed(probs)
+                                          - probs[..., :, None] * probs[..., None, :], e)
+                             for e in E])
+    torch.testing.assert_close(softmax_terms.row_softmax_jacobian(probs, E.clone()), reference)
+    scratch = E.clone()
+    softmax_terms.row_softmax_jacobian(probs, scratch, out=scratch)
+    torch.testing.assert_close(scratch, reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batched = torch.func.vmap(lambda e: softmax_terms.row_softmax_jacobian(probs, e * 1.0))(E)
+    torch.testing.assert_close(batched, reference)
+
+
 def test_rounding_bound_covers_single_precision_products():
     # the rounding bound scales with the unit roundoff: the same products in float32 (data
     # included) stay within r * (u32 / u64) of the float64 ones

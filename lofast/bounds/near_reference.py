@@ -262,8 +262,8 @@ def jacobian_apply(basis: Tensor, data: JacobianData, softmax: bool,
         # E1_l(G_j) = G_j Wq_l (X Wk_l)^T + X Wq_l (G_j Wk_l)^T: [b, l, i, (j, m)]
         scores = (projected.query @ data.x_key.mT).view(batch, heads, n, count * n)
         scores += data.x_query @ projected.key
-        scores = row_softmax_jacobian(data.probs[:, :, :, None],
-                                      scores.view(batch, heads, n, count, n))
+        scores = scores.view(batch, heads, n, count, n)
+        row_softmax_jacobian(data.probs[:, :, :, None], scores, out=scores)  # in place
         # + (X Wv_l / s)^T J_l(E1_l(G_j))^T, feature-major as the values
         mixed.view(batch * heads, dv, n * count).baddbmm_(
             (data.x_value / data.scale).reshape(batch * heads, n, dv).mT,

@@ -169,12 +169,13 @@ def score_norm(x_score: Tensor, x_score_t: Tensor, method: SpectralMethod,
 def row_softmax_jacobian(probs: Tensor, E: Tensor, out: Tensor | None = None) -> Tensor:
     """The row-wise softmax Jacobian diag(p) - p p^T (self-adjoint) applied to the rows of E,
     for probabilities probs broadcastable to E's shape. E is overwritten as scratch; the
-    result goes to out (a view of any strides), else to E."""
+    result goes to out (E itself, for no new memory, or a view of any strides), else to a new
+    tensor: the form torch.func.vmap batches (it has no batching rule for in-place addcmul)."""
     weighted = E.mul_(probs)
+    rows = weighted.sum(dim=-1, keepdim=True)
     if out is None:
-        return weighted.addcmul_(probs, weighted.sum(dim=-1, keepdim=True), value=-1.0)
-    return torch.addcmul(weighted, probs, weighted.sum(dim=-1, keepdim=True), value=-1.0,
-                         out=out)
+        return torch.addcmul(weighted, probs, rows, value=-1.0)
+    return torch.addcmul(weighted, probs, rows, value=-1.0, out=out)
 
 
 def softmax_first_order_maps(probs: Tensor, through_keys: HeadMatrices,
