@@ -40,7 +40,13 @@
 #      2f. with ATTACK=N, lofast certify --attack of the default on the first N test images at
 #      the four eps (float64 minimum-norm attack and l2 PGD, ATTACK_STEPS default 100,
 #      ATTACK_RESTARTS default 2), with its wall time (OUT/attack_default.json; the time in
-#      OUT/log.txt): the attack pass of the GPU issue (ATTACK=10000, at most 240 s here);
+#      OUT/log.txt): the attack pass of the GPU issue (ATTACK=10000, within ATTACK_SECONDS,
+#      default 240);
+#      2g. with CHECKPOINTS (files, e.g. a trained 64-token model carried in), for each of
+#      them and each guarantee of CHECKPOINT_GUARANTEES (default "probabilistic exact"),
+#      benchmarks/bench_certify.py on the first CHECKPOINT_N (default 500) bundled images in
+#      one batch: the per-model proofs (setup_seconds) apart from ms a sample
+#      (OUT/bench_NAME_GUARANTEE.json, within CHECKPOINT_SECONDS each, default 150);
 #   3. lofast train with TRAIN_ARGS until PASS_SECONDS (default 520) after the start of the
 #      pass (none when less than a minute of it is left: PASS_SECONDS=0 gives the figures
 #      only), resumed from STATE when given (OUT/train.safetensors, and its .state.pt for the
@@ -62,7 +68,8 @@
 # Each step runs whatever became of the one before; everything printed goes to OUT/log.txt.
 # Environment: DEVICE (default cuda), BENCH_BATCHES (set but empty: no step 1), BENCH_ARGS
 # (more options of bench_train.py), COMPILE, TOKENS, TOKENS_DEPTH, TOKENS_SECONDS, LIVE,
-# LIVE_N, LIVE_BATCH, FORWARD, ATTACK, ATTACK_STEPS, ATTACK_RESTARTS, LR (the
+# LIVE_N, LIVE_BATCH, FORWARD, ATTACK, ATTACK_STEPS, ATTACK_RESTARTS, ATTACK_SECONDS,
+# CHECKPOINTS, CHECKPOINT_GUARANTEES, CHECKPOINT_N, CHECKPOINT_SECONDS, LR (the
 # recipe's learning rate, default 2e-3; a CPU ablation favoured 1.6e-2 to 3.2e-2), BATCH (its
 # batch size, default 250; 1000 also divides the training set, 4.1x the images/s eager), LIMIT
 # (certify only the first LIMIT test images; default all), PASS_SECONDS, TRAIN_ARGS, INIT, EPOCHS, PART_MIB (default 15). With DEVICE=cpu
@@ -159,12 +166,25 @@ fi
 if [ -n "${ATTACK:-}" ]; then
     echo "== 2f. certify --attack of the default on $ATTACK test images ($(elapsed) s)"
     start=$(date +%s.%N)
-    timeout 240 python3 -m lofast certify --data "$data" --device "$device" --limit "$ATTACK" \
+    timeout "${ATTACK_SECONDS:-240}" python3 -m lofast certify --data "$data" --device "$device" \
+        --limit "$ATTACK" \
         --eps 0.02 --eps 0.05 --eps 0.1 --eps 36/255 --attack \
         --attack-steps "${ATTACK_STEPS:-100}" --attack-restarts "${ATTACK_RESTARTS:-2}" \
         --json > "$out/attack_default.json" || echo "certify --attack: exit $?"
     python3 -c "print('attack_default seconds', round($(date +%s.%N) - $start, 2))"
 fi
+
+read -r -a checkpoints <<< "${CHECKPOINTS-}"  # unset or empty: skipped
+for checkpoint in "${checkpoints[@]}"; do
+    for guarantee in ${CHECKPOINT_GUARANTEES:-probabilistic exact}; do
+        echo "== 2g. $checkpoint, $guarantee guarantee ($(elapsed) s)"
+        timeout "${CHECKPOINT_SECONDS:-150}" python3 benchmarks/bench_certify.py \
+            --checkpoint "$checkpoint" --guarantee "$guarantee" --n "${CHECKPOINT_N:-500}" \
+            --batch-sizes "${CHECKPOINT_N:-500}" --device "$device" \
+            --out "$out/bench_$(basename "$checkpoint" .safetensors)_$guarantee.json" \
+            || echo "bench_certify $checkpoint: exit $?"
+    done
+done
 
 if [ "$pass_seconds" -le $(($(elapsed) + 60)) ]; then  # PASS_SECONDS=0: the figures only
     echo "== no training: the pass ends at ${pass_seconds} s ($(elapsed) s)"
