@@ -47,6 +47,9 @@
 #      benchmarks/bench_certify.py on the first CHECKPOINT_N (default 500) bundled images in
 #      one batch: the per-model proofs (setup_seconds) apart from ms a sample
 #      (OUT/bench_NAME_GUARANTEE.json, within CHECKPOINT_SECONDS each, default 150);
+#      2h. with NORMS=1, benchmarks/bench_small_norms.py: the per-sample matrix norms at 17,
+#      65 and 257 tokens by the dense eigensolver and by the Cholesky proof an accelerator
+#      takes above 32 x 32 (OUT/bench_small_norms.json);
 #   3. lofast train with TRAIN_ARGS until PASS_SECONDS (default 520) after the start of the
 #      pass (none when less than a minute of it is left: PASS_SECONDS=0 gives the figures
 #      only), resumed from STATE when given (OUT/train.safetensors, and its .state.pt for the
@@ -69,7 +72,7 @@
 # Environment: DEVICE (default cuda), BENCH_BATCHES (set but empty: no step 1), BENCH_ARGS
 # (more options of bench_train.py), COMPILE, TOKENS, TOKENS_DEPTH, TOKENS_SECONDS, LIVE,
 # LIVE_N, LIVE_BATCH, FORWARD, ATTACK, ATTACK_STEPS, ATTACK_RESTARTS, ATTACK_SECONDS,
-# CHECKPOINTS, CHECKPOINT_GUARANTEES, CHECKPOINT_N, CHECKPOINT_SECONDS, LR (the
+# CHECKPOINTS, CHECKPOINT_GUARANTEES, CHECKPOINT_N, CHECKPOINT_SECONDS, NORMS, LR (the
 # recipe's learning rate, default 2e-3; a CPU ablation favoured 1.6e-2 to 3.2e-2), BATCH (its
 # batch size, default 250; 1000 also divides the training set, 4.1x the images/s eager), LIMIT
 # (certify only the first LIMIT test images; default all), PASS_SECONDS, TRAIN_ARGS, INIT, EPOCHS, PART_MIB (default 15). With DEVICE=cpu
@@ -185,6 +188,12 @@ for checkpoint in "${checkpoints[@]}"; do
             || echo "bench_certify $checkpoint: exit $?"
     done
 done
+
+if [ -n "${NORMS:-}" ]; then
+    echo "== 2h. per-sample matrix norms: eigensolver against proof ($(elapsed) s)"
+    timeout 120 python3 benchmarks/bench_small_norms.py --device "$device" \
+        --out "$out/bench_small_norms.json" || echo "bench_small_norms: exit $?"
+fi
 
 if [ "$pass_seconds" -le $(($(elapsed) + 60)) ]; then  # PASS_SECONDS=0: the figures only
     echo "== no training: the pass ends at ${pass_seconds} s ($(elapsed) s)"

@@ -145,6 +145,44 @@ def test_matrix_norm_upper_on_zero_tiny_and_huge_matrices():
     assert matrix_norm_upper(M)[2] == 0
 
 
+def test_proved_norms_of_the_accelerator_route():
+    """What ``matrix_norm_upper`` runs on an accelerator for batches of Grams above 32 x 32 (a
+    Cholesky proof after a 32-step Lanczos estimate): an upper bound within PROVED_NORM_SLACK of
+    the dense float64 norm, for both orientations, a dominant direction, 40 singular values
+    within 4e-8, and the zero, tiny and huge matrices the rescaled route takes (a too low
+    estimate's retry: ``test_verified_retries_a_too_low_estimate``)."""
+    rng = np.random.default_rng(6)
+    M = torch.from_numpy(rng.standard_normal((8, 40, 70)))
+    M[0, :, :5] += 10.0 * torch.from_numpy(rng.standard_normal((40, 1)))  # a dominant direction
+    u, _, v = torch.linalg.svd(M[1], full_matrices=False)
+    clustered = 1.0 - 1e-9 * torch.arange(40, dtype=torch.float64)  # all within 4e-8
+    M[1] = u @ torch.diag(clustered) @ v
+    M[2] = 0.0
+    M[3] *= 1e-200
+    M[4] *= 1e200
+    M[5] *= 2.0 ** -310  # the Gram's diagonal just outside the unscaled range
+    exact = torch.linalg.matrix_norm(M, ord=2)
+    for matrices in (M, M.mT):
+        upper = spectral._proved_norms(matrices.clone())
+        assert (upper >= exact).all()
+        assert (upper <= exact * (1 + 1.01 * spectral.PROVED_NORM_SLACK)).all()
+        assert upper[2] == 0
+
+
+def test_matrix_norm_upper_proves_per_sample_matrices_above_32_only_off_the_cpu(monkeypatch):
+    for device, shape, proved in (("meta", (2, 3, 33, 40), True), ("meta", (2, 3, 40, 33), True),
+                                  ("meta", (1, 33, 40), True), ("meta", (2, 3, 32, 40), False),
+                                  ("cpu", (2, 3, 33, 40), False)):
+        assert spectral._takes_the_proof(torch.zeros(shape, device=device)) is proved
+    proved = []
+    monkeypatch.setattr(spectral, "_proved_norms", lambda M: proved.append(M.shape) or M[..., 0, 0])
+    monkeypatch.setattr(spectral, "_takes_the_proof", lambda M: True)
+    M = torch.randn(2, 3, 40, 50, dtype=torch.float64)
+    assert matrix_norm_upper(M, per_sample=True).shape == (2, 3) and proved == [(6, 40, 50)]
+    matrix_norm_upper(M)  # weights and other per-model matrices: the exact route everywhere
+    assert proved == [(6, 40, 50)]
+
+
 def test_matrix_norm_upper_svd_route(monkeypatch):
     # above GRAM_LIMIT the norm comes from the SVD instead of the Gram matrix
     monkeypatch.setattr(spectral, "GRAM_LIMIT", 10)

@@ -311,7 +311,7 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
                                            _bias(w, device))  # (B, h, n, n)
     x_value = torch.einsum("bnd,hde->bhne", X, value)  # (B, h, n, dv) X Wv_l
     x_value_out = torch.einsum("bhne,hef->bhnf", x_value, output).contiguous()  # X B_l
-    value_norm = matrix_norm_upper(x_value_out)  # ||X B_l||
+    value_norm = matrix_norm_upper(x_value_out, per_sample=True)  # ||X B_l||
     same_device = w.query.device == device
     score_weight_norm, value_weight_norm = (
         w.weight_norms if same_device else (matrix_norm_upper(query @ key.mT),
@@ -322,7 +322,8 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
         score = score_norm(x_score, x_score_t, method, generator)
         matrix_free += w.heads
     else:
-        score = matrix_norm_upper(x_score_t) + matrix_norm_upper(x_score)
+        score = (matrix_norm_upper(x_score_t, per_sample=True)
+                 + matrix_norm_upper(x_score, per_sample=True))
 
     # ||D_X|| <= sum_l ||J_l|| m_l ||X B_l|| / s with ||J_l|| <= 1/2
     softmax = (score * value_norm).sum(dim=1) / (2.0 * w.scale) if softmax_jacobian else None
@@ -343,7 +344,8 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
                if guarantee is Guarantee.PROBABILISTIC else 0.0)
     # the centred norms of the module docstring's "centred scores"
     centered_scores_t = centered_norm(x_score_t)  # >= ||C X A_l^T||
-    centered_score = torch.minimum(score, centered_scores_t + matrix_norm_upper(x_score))
+    centered_score = torch.minimum(score, centered_scores_t
+                                   + matrix_norm_upper(x_score, per_sample=True))
     rows_score = None
     if softmax is not None:
         rows_score = (centered_scores_t + torch.linalg.vector_norm(x_score, dim=-1).amax(dim=-1)
@@ -372,7 +374,7 @@ def centered_norm(Y: Tensor) -> Tensor:
     n = Y.shape[-2]
     centered = centered_rows(Y)
     rounding = 3.0 * gamma(n + 1) * math.sqrt(n) * torch.linalg.vector_norm(Y, dim=(-2, -1))
-    return matrix_norm_upper(centered) + rounding
+    return matrix_norm_upper(centered, per_sample=True) + rounding
 
 
 def _probabilities(X: Tensor, w: AttentionSpec) -> Tensor:

@@ -397,7 +397,7 @@ class NaiveFirstOrder(NormStrategy):
 
     def bound(self, block, bounds, rows):
         identity_norm = 1.0 if block.w.residual else 0.0
-        mixing = block.value_weight_norm * matrix_norm_upper(block.probs[rows])  # (rows, h)
+        mixing = block.value_weight_norm * matrix_norm_upper(block.probs[rows], per_sample=True)
         return Candidate(rows, zeta=identity_norm + mixing.sum(dim=1))
 
 

@@ -103,7 +103,7 @@ def coordinate_first_order_norm(probs: Tensor, values: CoordinateValues,
     if residual:
         mixed = mixed + torch.eye(n, dtype=torch.float64, device=probs.device)
     rounding = gamma(3) * math.sqrt(n) * (r + scales.abs()) * (1.0 + 2.0 ** -30)
-    norms = (matrix_norm_upper(mixed) + rounding).amax(dim=1)
+    norms = (matrix_norm_upper(mixed, per_sample=True) + rounding).amax(dim=1)
     return norms if values.covers else torch.clamp(norms, min=r)
 
 

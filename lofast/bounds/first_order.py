@@ -328,7 +328,7 @@ def reference_deviation_norms(probs: Tensor, reference: Tensor | None) -> Tensor
     for the rounding); they also bound ||P_l - fl(1/n)|| for U."""
     deviation = probs - (1.0 / probs.shape[-1] if reference is None else reference)
     rounding = gamma(2) * (torch.linalg.matrix_norm(deviation) * (1.0 + 2.0 ** -30) + 1.0)
-    return matrix_norm_upper(deviation) + rounding
+    return matrix_norm_upper(deviation, per_sample=True) + rounding
 
 
 def reference_top_pair(reference: Tensor, f: FirstOrderFactors) -> tuple[Tensor, Tensor]:

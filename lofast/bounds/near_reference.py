@@ -103,7 +103,8 @@ def softmax_first_order_bound(X: Tensor, probs: Tensor, x_query: Tensor, key: Te
     product = (crossed + key_f * slip[..., None]
                + key_slip[..., None] * mixed_norm)  # >= ||M_li||_F of the exact operands
     first = query_norm * output_norm * product.amax(dim=(1, 2))
-    second = output_norm * key_norm * matrix_norm_upper(mixed_norm[..., None] * x_query).amax(dim=1)
+    second = output_norm * key_norm * matrix_norm_upper(mixed_norm[..., None] * x_query,
+                                                             per_sample=True).amax(dim=1)
     return (first + second) / scale * inflate
 
 
