@@ -47,9 +47,10 @@
 #      benchmarks/bench_certify.py on the first CHECKPOINT_N (default 500) bundled images in
 #      one batch: the per-model proofs (setup_seconds) apart from ms a sample
 #      (OUT/bench_NAME_GUARANTEE.json, within CHECKPOINT_SECONDS each, default 150);
-#      2h. with NORMS=1, benchmarks/bench_small_norms.py: the per-sample matrix norms at 17,
-#      65 and 257 tokens by the dense eigensolver and by the Cholesky proof an accelerator
-#      takes above 32 x 32 (OUT/bench_small_norms.json);
+#      2h. with NORMS=1, benchmarks/bench_small_norms.py: the per-sample matrix norms of 256
+#      samples at 17, 65 and 257 tokens by the dense eigensolver and by the Cholesky proof an
+#      accelerator takes above 32 x 32, and Lanczos tridiagonals' top eigenvalues on the
+#      device and the host (OUT/bench_small_norms.json);
 #   3. lofast train with TRAIN_ARGS until PASS_SECONDS (default 520) after the start of the
 #      pass (none when less than a minute of it is left: PASS_SECONDS=0 gives the figures
 #      only), resumed from STATE when given (OUT/train.safetensors, and its .state.pt for the
@@ -191,7 +192,7 @@ done
 
 if [ -n "${NORMS:-}" ]; then
     echo "== 2h. per-sample matrix norms: eigensolver against proof ($(elapsed) s)"
-    timeout 120 python3 benchmarks/bench_small_norms.py --device "$device" \
+    timeout 90 python3 benchmarks/bench_small_norms.py --device "$device" --batch 256 \
         --out "$out/bench_small_norms.json" || echo "bench_small_norms: exit $?"
 fi
 
