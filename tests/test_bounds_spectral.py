@@ -179,8 +179,9 @@ def test_matrix_norm_upper_proves_per_sample_matrices_above_32_only_off_the_cpu(
     monkeypatch.setattr(spectral, "_takes_the_proof", lambda M: True)
     M = torch.randn(2, 3, 40, 50, dtype=torch.float64)
     assert matrix_norm_upper(M, per_sample=True).shape == (2, 3) and proved == [(6, 40, 50)]
+    assert matrix_norm_upper(M[0, 0], per_sample=True).shape == ()  # a lone matrix: a scalar
     matrix_norm_upper(M)  # weights and other per-model matrices: the exact route everywhere
-    assert proved == [(6, 40, 50)]
+    assert proved == [(6, 40, 50), (1, 40, 50)]
 
 
 def test_matrix_norm_upper_svd_route(monkeypatch):

@@ -248,11 +248,11 @@ def matrix_norm_upper(M: Tensor, per_sample: bool = False) -> Tensor:
         return M.new_zeros(M.shape[:-2])
     if rows * cols > GRAM_LIMIT:
         return _scaled_norm(M) * (1.0 + ROUNDING_MARGIN)
+    if per_sample and _takes_the_proof(M):
+        return _proved_norms(M.reshape(-1, rows, cols)).reshape(M.shape[:-2])
     single = M.dim() == 2
     if single:
         M = M[None]
-    if per_sample and _takes_the_proof(M):
-        return _proved_norms(M.reshape(-1, rows, cols)).reshape(M.shape[:-2])
     gram = M @ M.mT if rows <= cols else M.mT @ M
     top = gram.diagonal(dim1=-2, dim2=-1).amax(dim=-1)
     in_range = (top >= 2.0 ** -GRAM_EXPONENT) & (top <= 2.0 ** GRAM_EXPONENT)  # False for NaN
@@ -278,18 +278,21 @@ def _proved_norms(M: Tensor) -> Tensor:
     estimate of its top eigenvalue (BATCHED_EIGENSOLVER_SIZE steps from a fixed start) and a
     Cholesky proof at (1 + PROVED_NORM_SLACK)^2 times it (``verified.verified_gram_norm``, which
     retries from the exact eigenvalue where the estimate was too low). Matrices whose Gram
-    diagonal leaves [2^-GRAM_EXPONENT, 2^GRAM_EXPONENT] (zero, tiny, huge or non-finite) take
-    the rescaled float64 norm with ROUNDING_MARGIN, as in ``matrix_norm_upper``."""
+    diagonal leaves [2^-GRAM_EXPONENT, 2^GRAM_EXPONENT] (tiny, huge or non-finite) take the
+    rescaled float64 norm with ROUNDING_MARGIN, as in ``matrix_norm_upper``; zero matrices 0
+    (a fixed attention's P_l - R_l is exactly zero for every sample: no eigensolver for them)."""
     gram, error = gram_with_error(M)
     top = gram.diagonal(dim1=-2, dim2=-1).amax(dim=-1)
     in_range = ((top >= 2.0 ** -GRAM_EXPONENT) & (top <= 2.0 ** GRAM_EXPONENT)
                 & torch.isfinite(error))  # False for NaN
     if bool(in_range.all()):
         return _proved_gram_norms(gram, error)
-    sigma = torch.empty(M.shape[0], dtype=torch.float64, device=M.device)
+    sigma = torch.zeros(M.shape[0], dtype=torch.float64, device=M.device)
     if bool(in_range.any()):
         sigma[in_range] = _proved_gram_norms(gram[in_range], error[in_range])
-    sigma[~in_range] = _scaled_norm(M[~in_range]) * (1.0 + ROUNDING_MARGIN)
+    rescaled = ~in_range & (M != 0).flatten(1).any(dim=1)
+    if bool(rescaled.any()):
+        sigma[rescaled] = _scaled_norm(M[rescaled]) * (1.0 + ROUNDING_MARGIN)
     return sigma
 
 
