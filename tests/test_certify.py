@@ -143,6 +143,39 @@ def test_the_jacobian_slack_trades_radius_for_proofs_and_stays_sound(
     assert not broken.any(), "PGD broke a certified sample"
 
 
+@pytest.mark.parametrize("kind", ["verified", "lanczos"])
+def test_the_accelerator_route_of_per_sample_norms_on_65_tokens(kind, monkeypatch):
+    """What a GPU runs for per-sample matrices above 32 x 32 (a Cholesky proof in place of the
+    eigensolver, ``spectral._proved_norms``), forced on the CPU for a 65-token block with
+    position biases and strong live attention: every radius at most the CPU route's and within
+    1e-5 of it, and PGD breaks none of the certificates."""
+    from lofast.bounds import spectral
+
+    config = preset("tiny", patch_size=4, depth=1, width=48, position_bias=True)
+    model = create_model(config, seed=0).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "query" in name or "key" in name:
+                p.mul_(8.0)
+            elif name.endswith("position_bias"):
+                p.normal_(0.0, 2.0, generator=torch.Generator().manual_seed(2))
+    x = torch.rand(6, 3, 32, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y = model(x).argmax(dim=1)
+    settings = CertifySettings(method=SpectralMethod(kind=kind))
+    cpu_route = Certifier(model, settings).certify(x, y).radius()
+    proved = []
+    original = spectral._proved_norms
+    monkeypatch.setattr(spectral, "_takes_the_proof",
+                        lambda M: min(M.shape[-2:]) > spectral.BATCHED_EIGENSOLVER_SIZE)
+    monkeypatch.setattr(spectral, "_proved_norms", lambda M: proved.append(M.shape) or original(M))
+    radius = Certifier(model, settings).certify(x, y).radius()
+    assert {shape[1:] for shape in proved} >= {(65, 48), (65, 65)}
+    assert (radius > 0).all() and (radius <= cpu_route).all()
+    assert (radius >= cpu_route * (1 - 1e-5)).all()
+    broken = pgd_l2(model, x, y, radius * 0.999, steps=50, restarts=3)
+    assert not broken.any(), "PGD broke a certified sample"
+
+
 def test_jacobian_slack_is_checked_and_named():
     for bad in (float("nan"), -0.1, 1.5, True, "0.1"):
         with pytest.raises(CertificationError, match="jacobian_slack"):
