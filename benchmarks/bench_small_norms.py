@@ -4,7 +4,9 @@ each n x n Gram matrix, and the Cholesky proof after a 32-step Lanczos estimate 
 accelerator takes above 32 x 32 (PyTorch's batched CUDA eigensolver loops over the batch
 there). Also the largest relative difference of the two bounds, and the top eigenvalues of a
 batch of Lanczos tridiagonal matrices of the probabilistic guarantee's length (about 290 steps
-at 64 tokens) by the eigensolver on the device and on the host. Prints a table; writes JSON.
+at 64 tokens) by the eigensolver on the device and on the host, and on CUDA the eigenpairs of
+the live default's per-sample 288 x 288 deflation matrices (``deflation.deflated_norm_bound``)
+by the default backend and by MAGMA. Prints a table; writes JSON.
 
     python benchmarks/bench_small_norms.py [--device auto] [--batch 1024] [--heads 8]
         [--width 128] [--tokens 17,65,257] [--out bench_small_norms.json]
@@ -80,9 +82,23 @@ def main() -> None:
     print(f"{args.batch} Lanczos tridiagonals of {steps} x {steps}: top eigenvalue "
           f"{lanczos['device_ms']:.1f} ms on the device, {lanczos['host_ms']:.1f} ms on the host",
           flush=True)
+    eigh = {}
+    if device.type == "cuda":
+        side = torch.randn(args.batch, 288, 400, generator=generator, device=device,
+                           dtype=torch.float64)
+        K = side @ side.mT
+        for backend in ("default", "magma"):
+            try:
+                torch.backends.cuda.preferred_linalg_library(backend)
+                eigh[backend] = 1e3 * timed(lambda: torch.linalg.eigh(K), device)[1]
+            except RuntimeError as error:  # a build without that backend
+                eigh[backend] = str(error)
+            finally:
+                torch.backends.cuda.preferred_linalg_library("default")
+        print(f"eigh of {args.batch} matrices 288 x 288 (ms): {eigh}", flush=True)
     report = {"device": str(device), "cuda": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "threads": torch.get_num_threads(),
-              "rows": rows, "lanczos_tridiagonal": lanczos}
+              "rows": rows, "lanczos_tridiagonal": lanczos, "deflation_eigh_ms": eigh}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {args.out}")
