@@ -19,6 +19,7 @@ from lofast.bounds.spectral import SpectralMethod
 from lofast.bounds.stages import radius_maps
 from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.config import TrainConfig, preset
+from lofast.errors import LofastError
 from lofast.models.layers import Attention
 from lofast.models.vit import create_model
 from lofast.training.bound import TrainingBound
@@ -347,6 +348,31 @@ def test_certified_loss_raises_non_true_logits_by_the_radius():
     assert torch.allclose(mixed, 0.75 * expected + 0.25 * clean)
     # the radius only ever makes the loss larger: it worsens every non-true logit
     assert loss > training_loss(model, logits, labels, config, torch.zeros(4, dtype=torch.float64))
+
+
+def test_logit_annealing_weights_each_samples_cross_entropy():
+    """(1 - p_y)^gamma times each sample's cross-entropy on the raised logits, against a float64
+    softmax written out; gamma 0 is the plain loss; a confident sample weighs less than a
+    wrong one; the weight is differentiated (autograd against finite differences)."""
+    model = small_model()
+    logits = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    logits[0, 0] += 6.0  # sample 0 confidently right
+    labels = torch.tensor([0, 1, 2, 3])
+    radius = torch.tensor([0.0, 0.1, 0.2, 0.3], dtype=torch.float64)
+    raised = (logits + radius[:, None] * head_pair_norms(model, labels)) / 0.5
+    p = torch.softmax(raised, dim=1).gather(1, labels[:, None])[:, 0]
+    for gamma in (0.0, 2.0, 5.0):
+        config = TrainConfig(loss="certified", train_eps=0.1, temperature=0.5,
+                             logit_annealing=gamma)
+        loss = training_loss(model, logits, labels, config, radius)
+        assert torch.allclose(loss, ((1 - p) ** gamma * -p.log()).mean(), rtol=1e-12)
+    weights = (1 - p) ** 2
+    assert weights[0] < 1e-3 < weights[1:].min()
+    config = TrainConfig(loss="ce", temperature=0.5, logit_annealing=2.0)
+    x = logits.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda z: training_loss(model, z, labels, config), (x,))
+    with pytest.raises(LofastError, match="logit_annealing"):
+        TrainConfig(logit_annealing=-1.0)
 
 
 def test_eps_ramp():

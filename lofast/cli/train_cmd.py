@@ -84,6 +84,10 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
               help="--loss certified: grow the radius linearly from 0 over these epochs.")
 @click.option("--clean-mix", type=float, default=TrainConfig.clean_mix, show_default=True,
               help="--loss certified: weight of clean cross-entropy in the loss (0 to 1).")
+@click.option("--logit-annealing", type=float, default=TrainConfig.logit_annealing,
+              show_default=True, metavar="GAMMA",
+              help="Weight each sample's cross-entropy CE by (1 - exp(-CE))^GAMMA (logit "
+                   "annealing: samples past their margin weigh less); 0: off.")
 @click.option("--power-iterations", type=click.IntRange(min=1),
               default=TrainConfig.power_iterations, show_default=True,
               help="--loss certified: power steps per batch for zeta (warm-started).")
@@ -133,8 +137,8 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
                    "not write in this run or the run it resumes).")
 def train(dataset, data_path, download, preset, model_options, init_path, epochs, batch_size, lr,
           weight_decay, warmup_epochs, schedule, loss, margin, train_eps, eps_ramp_epochs,
-          clean_mix, power_iterations, softmax_jacobian, ablation_margin, ablation_weight,
-          temperature, augment, seed, device, amp, compile_step,
+          clean_mix, logit_annealing, power_iterations, softmax_jacobian, ablation_margin,
+          ablation_weight, temperature, augment, seed, device, amp, compile_step,
           limit, out, resume, time_limit, overwrite) -> None:
     """Train a Lipschitz ViT on a data set and save it as a checkpoint."""
     from lofast.errors import TimeLimitReached
@@ -143,7 +147,8 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
     config = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
                          warmup_epochs=warmup_epochs, schedule=schedule, loss=loss,
                          margin=margin, train_eps=train_eps, eps_ramp_epochs=eps_ramp_epochs,
-                         clean_mix=clean_mix, power_iterations=power_iterations,
+                         clean_mix=clean_mix, logit_annealing=logit_annealing,
+                         power_iterations=power_iterations,
                          softmax_jacobian=softmax_jacobian, ablation_margin=ablation_margin,
                          ablation_weight=ablation_weight, temperature=temperature,
                          augment=augment, seed=seed, amp=amp)

@@ -30,6 +30,9 @@ class TrainConfig:
     train_eps: float = 0.0  # certified: image radius whose LoFAST bound raises the logits
     eps_ramp_epochs: float = 0.0  # certified: train_eps grows linearly from 0 over these epochs
     clean_mix: float = 0.0  # certified: weight of the clean cross-entropy in the loss
+    # logit annealing (Lai et al., ICML 2025, BRONet): each sample's cross-entropy CE weighted
+    # by (1 - exp(-CE))^gamma, so that samples already past their margin weigh less; 0: off
+    logit_annealing: float = 0.0
     power_iterations: int = 2  # certified: power steps per batch for zeta (warm-started)
     softmax_jacobian: bool = True  # certified: train against the certifier's refined bound
     # attention reward: a hinge penalty ablation_weight * max(0, ablation_margin - (CE of the
@@ -51,7 +54,7 @@ class TrainConfig:
         for name in ("lr", "temperature"):
             _check_positive(name, getattr(self, name))
         for name in ("weight_decay", "warmup_epochs", "margin", "train_eps", "eps_ramp_epochs",
-                     "ablation_margin", "ablation_weight"):
+                     "ablation_margin", "ablation_weight", "logit_annealing"):
             value = getattr(self, name)
             if not _is_real(value) or not math.isfinite(value) or value < 0:
                 raise LofastError(f"{name} must be a finite number >= 0, not {value!r}")

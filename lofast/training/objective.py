@@ -24,18 +24,30 @@ def training_loss(model: LipschitzViT, logits: Tensor, labels: Tensor, config: T
     """Cross-entropy on logits whose non-true entries j are raised by r * ||w_y - w_j||, the
     amount the head certificate subtracts for a pooled-feature radius r: r = margin for the
     Lipschitz-margin loss, r = the per-sample LoFAST training bound (B,) for the certified loss
-    (mixed with clean cross-entropy by clean_mix)."""
+    (mixed with clean cross-entropy by clean_mix). With logit_annealing = gamma > 0 each
+    sample's cross-entropy CE is weighted by (1 - exp(-CE))^gamma (``annealed_cross_entropy``)."""
     offset = {Loss.CE: None, Loss.MARGIN: config.margin if config.margin > 0 else None,
               Loss.CERTIFIED: None if feature_radius is None else feature_radius[:, None]
               }[config.loss]
     if offset is None:
-        return F.cross_entropy(logits / config.temperature, labels)
+        return annealed_cross_entropy(logits / config.temperature, labels, config.logit_annealing)
     raised = logits + offset * head_pair_norms(model, labels)
-    loss = F.cross_entropy(raised / config.temperature, labels)
+    loss = annealed_cross_entropy(raised / config.temperature, labels, config.logit_annealing)
     if config.loss is Loss.CERTIFIED and config.clean_mix > 0:
-        clean = F.cross_entropy(logits / config.temperature, labels)
+        clean = annealed_cross_entropy(logits / config.temperature, labels,
+                                       config.logit_annealing)
         loss = (1.0 - config.clean_mix) * loss + config.clean_mix * clean
     return loss
+
+
+def annealed_cross_entropy(logits: Tensor, labels: Tensor, gamma: float) -> Tensor:
+    """Mean over the batch of (1 - p_y)^gamma CE, with CE = -log p_y each sample's
+    cross-entropy on logits (B, K): plain cross-entropy for gamma = 0. The weight is part of
+    the loss (differentiated), as in the logit-annealing loss of Lai et al. (ICML 2025)."""
+    if gamma == 0:
+        return F.cross_entropy(logits, labels)
+    each = F.cross_entropy(logits, labels, reduction="none")
+    return ((-torch.expm1(-each)).pow(gamma) * each).mean()
 
 
 def attention_reward(model: LipschitzViT, x: Tensor, logits: Tensor, labels: Tensor,
