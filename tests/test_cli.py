@@ -63,6 +63,28 @@ def test_resume_continues_from_saved_state(data_dir, tmp_path):
     assert read_metadata(out)["epochs"] == 2 and state.is_file()
 
 
+def test_resume_reads_a_state_written_before_a_setting_existed(data_dir, tmp_path):
+    """A state whose saved settings lack one added since (logit_annealing) resumes when the
+    run keeps that setting's default, and is refused when it asks for another value."""
+    import torch
+
+    out = tmp_path / "old.safetensors"
+    args = ["train", "--dataset", "folder", "--data", str(data_dir), "--preset", "tiny",
+            "--batch-size", "16", "--device", "cpu", "--epochs", "2", "--out", str(out)]
+    runner = CliRunner()
+    assert runner.invoke(cli, args[:-4] + ["--epochs", "1", "--out", str(out)]).exit_code == 0
+    state_path = out.with_name(out.name + ".state.pt")
+    state = torch.load(state_path, weights_only=False)
+    state["train_config"]["epochs"] = 2  # as if stopped after epoch 1 of a 2-epoch run
+    del state["train_config"]["logit_annealing"]
+    torch.save(state, state_path)
+    refused = runner.invoke(cli, args + ["--resume", "--logit-annealing", "2"])
+    assert refused.exit_code == 1 and "differ" in refused.output
+    resumed = runner.invoke(cli, args + ["--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert "epoch 1/2" not in resumed.output and "epoch 2/2" in resumed.output
+
+
 def ctrl_c() -> None:
     raise KeyboardInterrupt
 

@@ -150,7 +150,10 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
     partial = None  # where a run stopped inside an epoch: its order, next step and sums
     if resume and state_path is not None and state_path.is_file():
         state = load_training_state(state_path)
-        if state["train_config"] != plain_dict(config):
+        # a setting added since the state was written takes its default, which is how the
+        # state was trained (every new TrainConfig field defaults to the former behaviour)
+        saved_config = {**plain_dict(TrainConfig()), **state["train_config"]}
+        if saved_config != plain_dict(config):
             raise LofastError(f"{state_path}: the training settings differ from this run's; "
                               "resume with the same options")
         saved_plan = state.get("plan") or {}
