@@ -229,6 +229,27 @@ def test_train_command_reads_its_defaults_from_the_configs():
     assert checked >= 25
 
 
+BAD_TRAIN_SETTINGS = [
+    {"logit_annealing": -1.0}, {"logit_annealing": float("nan")}, {"logit_annealing": "2"},
+    {"lr": 0}, {"temperature": float("inf")}, {"epochs": 0}, {"seed": -1}, {"loss": "hinge"},
+    {"loss": "certified"}, {"clean_mix": 1.5}, {"margin": -0.1}, {"schedule": "step"},
+]
+
+
+@pytest.mark.parametrize("settings", BAD_TRAIN_SETTINGS, ids=repr)
+def test_api_train_refuses_bad_settings_before_any_work(settings, monkeypatch, tmp_path):
+    """lofast.train checks its settings by TrainConfig's rules, as `lofast train` does, and
+    raises ConfigError before reading data or building a model."""
+    import importlib
+
+    def never(*args, **kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(importlib.import_module("lofast.api"), "run_train", never)
+    with pytest.raises(lofast.errors.ConfigError):
+        lofast.train(tmp_path / "data", tmp_path / "m.safetensors", **settings)
+
+
 def test_api_trains_and_certifies_with_everything_the_command_has(data_dir, tmp_path):
     """lofast.train writes a checkpoint as `lofast train` does (its record included), and
     lofast.certify runs the attack with records to a file, resumed."""

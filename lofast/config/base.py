@@ -118,6 +118,6 @@ def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None,
         raise error(f"{name} must be an integer {bounds}, not {value!r}")
 
 
-def _check_positive(name: str, value: Any) -> None:
+def _check_positive(name: str, value: Any, error: type[LofastError] = LofastError) -> None:
     if not _is_real(value) or not math.isfinite(value) or value <= 0:
-        raise LofastError(f"{name} must be a positive finite number, not {value!r}")
+        raise error(f"{name} must be a positive finite number, not {value!r}")

@@ -11,7 +11,7 @@ from typing import Any
 from lofast.config.base import DATASETS, Loss, Schedule, _check_int, _check_positive, _is_real
 from lofast.config.certify import _optional_path, parse_radius
 from lofast.config.model import INIT_OPTIONS, PRESETS
-from lofast.errors import ConfigError, LofastError
+from lofast.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -44,24 +44,24 @@ class TrainConfig:
     amp: bool = True  # bfloat16 autocast on CUDA only
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "loss", Loss.parse("loss", self.loss))
-        object.__setattr__(self, "schedule", Schedule.parse("schedule", self.schedule))
+        object.__setattr__(self, "loss", Loss.parse("loss", self.loss, ConfigError))
+        object.__setattr__(self, "schedule", Schedule.parse("schedule", self.schedule, ConfigError))
         for name in ("epochs", "batch_size", "power_iterations"):
-            _check_int(name, getattr(self, name), minimum=1)
-        _check_int("seed", self.seed, minimum=0)
+            _check_int(name, getattr(self, name), minimum=1, error=ConfigError)
+        _check_int("seed", self.seed, minimum=0, error=ConfigError)
         if self.seed >= 2**63:
-            raise LofastError(f"seed must be below 2**63, not {self.seed}")
+            raise ConfigError(f"seed must be below 2**63, not {self.seed}")
         for name in ("lr", "temperature"):
-            _check_positive(name, getattr(self, name))
+            _check_positive(name, getattr(self, name), ConfigError)
         for name in ("weight_decay", "warmup_epochs", "margin", "train_eps", "eps_ramp_epochs",
                      "ablation_margin", "ablation_weight", "logit_annealing"):
             value = getattr(self, name)
             if not _is_real(value) or not math.isfinite(value) or value < 0:
-                raise LofastError(f"{name} must be a finite number >= 0, not {value!r}")
+                raise ConfigError(f"{name} must be a finite number >= 0, not {value!r}")
         if self.loss is Loss.CERTIFIED and not self.train_eps > 0:
-            raise LofastError("--loss certified needs a positive --train-eps")
+            raise ConfigError("--loss certified needs a positive --train-eps")
         if not _is_real(self.clean_mix) or not 0.0 <= self.clean_mix <= 1.0:
-            raise LofastError("clean mix must lie in [0, 1]")
+            raise ConfigError("clean mix must lie in [0, 1]")
 
 
 DEFAULT_PRESET = "paper-d3"  # the architecture of a run given neither a preset nor --init
