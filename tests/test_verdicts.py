@@ -276,6 +276,100 @@ def test_report_summarises_compares_and_plots_saved_runs(checkpoint, data_dir, t
         naive_run["certified_accuracy"]
 
 
+@pytest.mark.parametrize("text, eps, percent", [
+    ("36/255=42", 36 / 255, 42), ("clean=50%", None, 50), (" 0.05 = 48.5 ", 0.05, 48.5),
+    ("CLEAN=0", None, 0), ("0.1=100", 0.1, 100)])
+def test_a_requirement_reads_eps_and_an_exact_percentage(text, eps, percent):
+    from fractions import Fraction
+
+    from lofast.config import parse_requirement
+
+    requirement = parse_requirement(text)
+    assert requirement.eps == eps and requirement.percent == Fraction(str(percent))
+
+
+@pytest.mark.parametrize("text, named", [
+    ("0.05", "not EPS=PERCENT"), ("=42", "not EPS=PERCENT"), ("0.05=", "not EPS=PERCENT"),
+    ("0.05=101", "0 .. 100"), ("0.05=-1", "0 .. 100"), ("0.05=nan", "0 .. 100"),
+    ("0.05=inf", "0 .. 100"), ("-0.05=10", "positive"), ("0=10", "positive"),
+    ("clean=abc", "not a percentage"), ("0.05=4=5", "not a percentage")])
+def test_a_bad_requirement_is_refused(text, named):
+    from lofast.config import parse_requirement
+    from lofast.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=named):
+        parse_requirement(text)
+
+
+def test_requirements_compare_counts_of_samples_exactly():
+    """42.3 % of 1,000 samples needs 423 of them, and 29 % of 100 is met by 29 (0.29 * 100 is
+    28.999999999999996 in floating point: a comparison of floats fails it); a third of three
+    samples meets 33.33 % and misses 33.34 %; a run of no samples meets nothing."""
+    from lofast.certification.report import Summary
+    from lofast.config import parse_requirement
+    from lofast.errors import ConfigError
+
+    def summary(samples, certified, clean):
+        return Summary(samples=samples, clean_accuracy=clean, certified_accuracy={0.05: certified},
+                       certified_by={}, median_radius=0.0, mean_radius=0.0,
+                       mean_ms_per_sample=0.0, total_seconds=0.0, guarantee="exact",
+                       bound="lofast", kappa=0.5, device="cpu")
+
+    def unmet(run, *texts):
+        return run.unmet([parse_requirement(t) for t in texts])
+
+    run = summary(1000, 423 / 1000, 500 / 1000)
+    assert unmet(run, "0.05=42.3", "clean=50", "0.05=0") == []
+    assert unmet(run, "0.05=42.31", "clean=50.1") == [
+        "requirement 0.05=42.31 not met: certified accuracy 42.30 % (423 of 1000 samples)",
+        "requirement clean=50.1 not met: clean accuracy 50.00 % (500 of 1000 samples)"]
+    assert unmet(summary(100, 29 / 100, 57 / 100), "0.05=29", "clean=57") == []
+    third = summary(3, 1 / 3, 1 / 3)
+    assert unmet(third, "0.05=33.33") == [] and len(unmet(third, "0.05=33.34")) == 1
+    empty = summary(0, float("nan"), float("nan"))
+    assert len(unmet(empty, "0.05=0", "clean=0")) == 2
+    with pytest.raises(ConfigError, match="certifies at eps 0.05, not 0.1"):
+        unmet(run, "0.1=10")
+
+
+def test_require_sets_the_exit_code_of_certify_and_report(checkpoint, data_dir, tmp_path):
+    """A run at its own certified share exits 0; one sample more is exit code 3 with one line
+    per requirement missed, the summary and every record still written; a requirement at an eps
+    the run does not certify is refused before any work; report applies them to saved runs."""
+    runner = CliRunner()
+    out = tmp_path / "r.jsonl"
+    summary = certify(checkpoint, data_dir, out)
+    certified = round(summary["certified_accuracy"]["0.02"] * 16)
+    assert certified < 16
+    met, missed = f"0.02={100 * certified / 16}", f"0.02={100 * (certified + 1) / 16}"
+    base = ["certify", "--checkpoint", str(checkpoint), "--data", str(data_dir), "--device",
+            "cpu", "--eps", "0.02", "--eps", "0.5", "--n", "16", "--json"]
+    passed = runner.invoke(cli, base + ["--require", met, "--require", "clean=0"])
+    assert passed.exit_code == 0, passed.output
+    failed_out = tmp_path / "failed.jsonl"
+    failed = runner.invoke(cli, base + ["--require", missed, "--out", str(failed_out)])
+    assert failed.exit_code == 3
+    assert json.loads(failed.stdout)["certified_accuracy"] == summary["certified_accuracy"]
+    assert failed.stderr.strip() == (f"requirement {missed} not met: certified accuracy "
+                                     f"{100 * certified / 16:.2f} % ({certified} of 16 samples)")
+    assert len(record_lines(failed_out)) == 16
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    refused = runner.invoke(cli, base + ["--require", "0.1=10", "--out", str(elsewhere)])
+    assert refused.exit_code == 1 and "certifies at eps 0.02, 0.5, not 0.1" in refused.output
+    assert not elsewhere.exists()
+    assert runner.invoke(cli, ["report", str(out), "--require", met]).exit_code == 0
+    both = runner.invoke(cli, ["report", str(out), str(failed_out), "--require", missed])
+    assert both.exit_code == 3
+    assert [line.split(":")[0] for line in both.stderr.splitlines()] == ["r.jsonl", "failed.jsonl"]
+    parts = [tmp_path / f"part{i}.jsonl" for i in range(2)]
+    for i, part in enumerate(parts):
+        assert runner.invoke(cli, base + ["--shard", f"{i}/2", "--out", str(part)]).exit_code == 0
+    merge = ["report", "--merge", *map(str, parts), "--require"]
+    assert runner.invoke(cli, merge + [met]).exit_code == 0
+    merged = runner.invoke(cli, merge + [missed])
+    assert merged.exit_code == 3 and merged.stderr.startswith(f"requirement {missed} not met")
+
+
 def test_report_refuses_a_foreign_file(tmp_path):
     notes = tmp_path / "notes.jsonl"
     notes.write_text("hello\n")

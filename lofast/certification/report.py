@@ -8,11 +8,13 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from rich.table import Table
 
 from lofast.certification.records import SampleRecord, eps_key
+from lofast.config import Requirement, check_requirements
 
 if TYPE_CHECKING:
     from lofast.certification.attention_report import AttentionReport
@@ -44,6 +46,26 @@ class Summary:
     not_falsified: dict[float, float] = field(default_factory=dict)
     median_adversarial_radius: float | None = None
     median_radius_ratio: float | None = None
+
+    def unmet(self, requirements: Sequence[Requirement]) -> list[str]:
+        """One line for each requirement (``config.Requirement``) the summary falls short of;
+        none where all are met. Counts of samples are compared with the exact percentage; a
+        summary of no samples meets none. ConfigError where a requirement names an eps the
+        run was not certified at."""
+        check_requirements(requirements, list(self.certified_accuracy))
+        lines = []
+        for requirement in requirements:
+            if requirement.eps is None:
+                what, share = "clean accuracy", self.clean_accuracy
+            else:
+                what = "certified accuracy"
+                share = self.certified_accuracy[requirement.eps]
+            count = round(share * self.samples) if self.samples else 0
+            if not self.samples or Fraction(100 * count, self.samples) < requirement.percent:
+                lines.append(f"requirement {requirement.text} not met: {what} "
+                             f"{float(Fraction(100 * count, max(self.samples, 1))):.2f} % "
+                             f"({count} of {self.samples} samples)")
+        return lines
 
     def to_dict(self) -> dict:
         """The summary as JSON-ready values: eps keys as ``eps_key`` texts."""

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
 import click
+from rich.markup import escape
 
 from lofast.cli.console import stderr as console
 from lofast.cli.console import stdout
@@ -55,6 +57,39 @@ class Shard(click.ParamType):
             return parse_shard(value)
         except ConfigError as e:
             self.fail(str(e), param, ctx)
+
+
+class RequirementType(click.ParamType):
+    """EPS=PERCENT or clean=PERCENT: a floor on certified (clean) accuracy
+    (``config.parse_requirement``)."""
+
+    name = "EPS=PERCENT"
+
+    def convert(self, value, param, ctx):
+        from lofast.config import parse_requirement
+        from lofast.errors import ConfigError
+
+        try:
+            return parse_requirement(value)
+        except ConfigError as e:
+            self.fail(str(e), param, ctx)
+
+
+# Exit code where the run is complete and sound but misses a --require floor: CI fails on it,
+# and can tell it from an error (1) and a bad command line (2).
+EXIT_UNMET = 3
+
+REQUIRE_HELP = ("Exit with code 3 unless certified accuracy at EPS (or clean accuracy, "
+                "clean=PERCENT) is at least PERCENT, e.g. 36/255=42 (repeatable; for CI).")
+
+
+def exit_if_unmet(lines: list[str]) -> None:
+    """Print each unmet requirement (``report.Summary.unmet``) on stderr and exit with
+    EXIT_UNMET; return where there is none."""
+    if lines:
+        for line in lines:
+            console.print(f"[bold red]{escape(line)}[/]", soft_wrap=True)
+        sys.exit(EXIT_UNMET)
 
 
 @click.command()
@@ -133,6 +168,8 @@ class Shard(click.ParamType):
                    "torchrun every rank takes its part itself (--out gets .rankIofN per rank) "
                    "and rank 0 prints the merged summary and writes the merged --out.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@click.option("--require", "requirements", type=RequirementType(), multiple=True,
+              help=REQUIRE_HELP)
 @click.option("--attention-report", is_flag=True,
               help="Also measure attention on the same samples: ||Wq_l Wk_l^T|| and how far "
                    "P_l(X) strays from its mean per head, and the attention ablation (every "
@@ -145,16 +182,17 @@ class Shard(click.ParamType):
 def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size, device,
             bound, softmax_jacobian, jacobian_slack, kappa, guarantee, fallback, fallback_timeout, attack,
             attack_steps, attack_restarts, attack_box, save_adversarial, seed, out,
-            resume, shard, as_json, attention_report, classes_unchecked) -> None:
+            resume, shard, as_json, requirements, attention_report, classes_unchecked) -> None:
     """Certify l2 robustness of every sample with the LoFAST bound."""
     from lofast.certification.certificate import CertifySettings
     from lofast.certification.pipeline import run_certify
     from lofast.certification.report import summary_table
-    from lofast.config import AttackSettings, CertifyConfig
+    from lofast.config import AttackSettings, CertifyConfig, check_requirements
     from lofast.errors import ConfigError
 
     if save_adversarial is not None and not attack:
         raise ConfigError("--save-adversarial needs --attack")
+    check_requirements(requirements, eps_values)
     settings = CertifySettings(bound=bound, kappa=float(kappa), seed=seed,
                                softmax_jacobian=softmax_jacobian, guarantee=guarantee,
                                jacobian_slack=jacobian_slack)
@@ -179,6 +217,7 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
         click.echo(json.dumps(result, indent=2))
     else:
         stdout.print(summary_table(certification.summary, attention=certification.attention))
+    exit_if_unmet(certification.summary.unmet(requirements))
 
 
 class BarProgress:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from lofast.cli.certify_cmd import REQUIRE_HELP, RequirementType, exit_if_unmet
 from lofast.cli.console import stderr, stdout
 
 
@@ -19,7 +20,9 @@ from lofast.cli.console import stderr, stdout
 @click.option("--merge", is_flag=True,
               help="RUNS are parts of one run (certify --shard): one summary over all of them.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON on stdout.")
-def report(runs, plot_path, merge, as_json) -> None:
+@click.option("--require", "requirements", type=RequirementType(), multiple=True,
+              help=REQUIRE_HELP + " Every run (the merged run with --merge) must meet them.")
+def report(runs, plot_path, merge, as_json, requirements) -> None:
     """Summarise RUNS (files written by `lofast certify --out`), side by side."""
     from lofast.certification.records import merge_runs, read_run
     from lofast.certification.report import summarize, summary_table
@@ -49,3 +52,5 @@ def report(runs, plot_path, merge, as_json) -> None:
         stdout.print(summary_table(*summaries.values(), names=[Path(n).name for n in summaries]))
     if plot_path is not None:
         stderr.print(f"wrote {plot_path}")
+    exit_if_unmet([f"{Path(name).name}: {line}" if len(summaries) > 1 else line
+                   for name, summary in summaries.items() for line in summary.unmet(requirements)])

@@ -34,8 +34,11 @@ from lofast.config.base import (
 from lofast.config.certify import (
     AttackSettings,
     CertifyConfig,
+    Requirement,
+    check_requirements,
     parse_radii,
     parse_radius,
+    parse_requirement,
     parse_shard,
 )
 from lofast.config.model import INIT_OPTIONS, PRESETS, ModelConfig, preset
@@ -68,12 +71,15 @@ __all__ = [
     "Loss",
     "ModelConfig",
     "Pooling",
+    "Requirement",
     "Schedule",
     "TrainConfig",
     "TrainRun",
     "Weights",
+    "check_requirements",
     "parse_radii",
     "parse_radius",
+    "parse_requirement",
     "parse_shard",
     "plain_dict",
     "preset",

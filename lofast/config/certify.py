@@ -6,7 +6,10 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +74,45 @@ def parse_shard(value: Any) -> tuple[int, int] | None:
     if not 0 <= index < count:
         raise ConfigError(f"shard {value!r}: I must lie in 0 .. N-1")
     return int(index), int(count)
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A floor on a run's accuracy (``--require`` of ``lofast certify`` and ``lofast report``):
+    certified accuracy at ``eps``, or clean accuracy where eps is None, of at least ``percent``
+    % (exact: ``report.Summary.unmet`` compares counts of samples, so 42.3 needs 4,230 of
+    10,000 and 4,229 fails). ``text`` is the requirement as written, for messages."""
+
+    eps: float | None
+    percent: Fraction
+    text: str
+
+
+def parse_requirement(value: Any) -> Requirement:
+    """A ``Requirement`` from "EPS=PERCENT" (EPS a radius such as 0.05 or 36/255, or "clean";
+    PERCENT in [0, 100], "%" optional), e.g. "36/255=42" or "clean=50%"."""
+    text = str(value).strip()
+    where, sep, floor = text.partition("=")
+    if not sep or not where.strip() or not floor.strip():
+        raise ConfigError(f"requirement {text!r} is not EPS=PERCENT (e.g. 36/255=42 or clean=50)")
+    where = where.strip()
+    eps = None if where.lower() == "clean" else parse_radius(where, f"requirement {text!r}: eps")
+    try:
+        number = Decimal(floor.strip().removesuffix("%").strip())
+    except InvalidOperation:
+        raise ConfigError(f"requirement {text!r}: {floor.strip()!r} is not a percentage") from None
+    if not (number.is_finite() and 0 <= number <= 100):
+        raise ConfigError(f"requirement {text!r}: the percentage must lie in 0 .. 100")
+    return Requirement(eps=eps, percent=Fraction(number), text=text)
+
+
+def check_requirements(requirements: Sequence[Requirement], eps: Sequence[float]) -> None:
+    """ConfigError where a requirement names an eps that is not among the run's ``eps``."""
+    for requirement in requirements:
+        if requirement.eps is not None and requirement.eps not in eps:
+            shown = ", ".join(f"{e:g}" for e in sorted(eps))
+            raise ConfigError(f"requirement {requirement.text}: the run certifies at eps "
+                              f"{shown}, not {requirement.eps:g}")
 
 
 @dataclass(frozen=True)
