@@ -376,8 +376,17 @@ def test_progress_lines_where_no_bar_is_drawn(checkpoint, data_dir, tmp_path, mo
 def test_certify_rejects_bad_eps(checkpoint, data_dir, eps):
     result = CliRunner().invoke(cli, ["certify", "--checkpoint", str(checkpoint), "--data",
                                       str(data_dir), "--eps", eps])
-    assert result.exit_code != 0 and "Traceback" not in result.output
-    assert "--eps" in result.output
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "Invalid value for '--eps': eps " in result.output
+
+
+@pytest.mark.parametrize("option, value", [("--fallback-timeout", "0"), ("--shard", "3/2"),
+                                           ("--require", "0.05=200")])
+def test_a_bad_option_value_is_named_as_written(option, value):
+    result = CliRunner().invoke(cli, ["certify", "--eps", "0.05", option, value])
+    assert result.exit_code == 2
+    assert f"Invalid value for '{option}': " in result.output
+    assert "_" not in result.output.splitlines()[-1]  # fallback-timeout, not fallback_timeout
 
 
 def test_certify_accepts_eps_as_a_fraction(checkpoint, data_dir):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.markup import escape
@@ -25,54 +27,36 @@ from lofast.config import (
     MAX_SEED,
     SPLITS,
     AttackSettings,
+    parse_radius,
+    parse_requirement,
+    parse_shard,
 )
+from lofast.errors import ConfigError
 
 
-class PositiveFloat(click.ParamType):
-    """A positive finite number, also written as a fraction such as 36/255
-    (``config.parse_radius``, as the Python API reads it)."""
+class Parsed(click.ParamType):
+    """An option value read by a parser of ``lofast.config``, the one the Python API applies
+    to the same argument; its ConfigError becomes click's usage error (exit code 2).
+    parse(value, the option's name as written, e.g. "eps") -> the value."""
 
-    name = "positive number"
+    def __init__(self, name: str, parse: Callable[[Any, str], Any]) -> None:
+        self.name = name
+        self.parse = parse
 
     def convert(self, value, param, ctx):
-        from lofast.config import parse_radius
-        from lofast.errors import ConfigError
-
         try:
-            return parse_radius(value, param.name if param is not None else "value")
+            name = param.opts[0].lstrip("-") if param is not None and param.opts else "value"
+            return self.parse(value, name)
         except ConfigError as e:
             self.fail(str(e), param, ctx)
 
 
-class Shard(click.ParamType):
-    """I/N: the I-th (from 0) of N interleaved parts of the samples (``config.parse_shard``)."""
-
-    name = "I/N"
-
-    def convert(self, value, param, ctx):
-        from lofast.config import parse_shard
-        from lofast.errors import ConfigError
-
-        try:
-            return parse_shard(value)
-        except ConfigError as e:
-            self.fail(str(e), param, ctx)
-
-
-class RequirementType(click.ParamType):
-    """EPS=PERCENT or clean=PERCENT: a floor on certified (clean) accuracy
-    (``config.parse_requirement``)."""
-
-    name = "EPS=PERCENT"
-
-    def convert(self, value, param, ctx):
-        from lofast.config import parse_requirement
-        from lofast.errors import ConfigError
-
-        try:
-            return parse_requirement(value)
-        except ConfigError as e:
-            self.fail(str(e), param, ctx)
+# a positive finite number, also written as a fraction such as 36/255
+POSITIVE_NUMBER = Parsed("positive number", parse_radius)
+# I/N: the I-th (from 0) of N interleaved parts of the samples
+SHARD = Parsed("I/N", lambda value, _: parse_shard(value))
+# EPS=PERCENT or clean=PERCENT: a floor on certified (clean) accuracy
+REQUIREMENT = Parsed("EPS=PERCENT", lambda value, _: parse_requirement(value))
 
 
 # Exit code where the run is complete and sound but misses a --require floor: CI fails on it,
@@ -100,7 +84,7 @@ def exit_if_unmet(lines: list[str]) -> None:
 @click.option("--dataset", type=click.Choice(DATASETS), default=None,
               help="Data set kind (default: the checkpoint's).")
 @click.option("--split", type=click.Choice(SPLITS), default="test", show_default=True)
-@click.option("--eps", "eps_values", type=PositiveFloat(), multiple=True, required=True,
+@click.option("--eps", "eps_values", type=POSITIVE_NUMBER, multiple=True, required=True,
               help="l2 radius in [0,1] pixel scale, e.g. 0.05 or 36/255 (repeatable).")
 @click.option("--n", "--limit", "limit", type=click.IntRange(min=1), default=None,
               help="Certify the first N samples of the class-balanced order (i-th image of "
@@ -138,7 +122,7 @@ def exit_if_unmet(lines: list[str]) -> None:
               help="Run a verifier from auto_LiRPA on the samples LoFAST leaves uncertified: "
                    "CROWN, alpha-CROWN, or alpha-CROWN with beta-CROWN branch and bound over "
                    "the ReLUs (the strongest, and slowest).")
-@click.option("--fallback-timeout", type=PositiveFloat(), default=None,
+@click.option("--fallback-timeout", type=POSITIVE_NUMBER, default=None,
               help="Seconds the fallback may spend on one sample (branch and bound stops "
                    "there with an unknown verdict).")
 @click.option("--attack", is_flag=True,
@@ -162,13 +146,13 @@ def exit_if_unmet(lines: list[str]) -> None:
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Write one JSON record per sample (JSONL) as the run goes.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from --out.")
-@click.option("--shard", type=Shard(), default=None,
+@click.option("--shard", type=SHARD, default=None,
               help="Certify only part I of N (every N-th sample from the I-th), e.g. one task "
                    "of a job array; `lofast report --merge` joins the parts' --out files. Under "
                    "torchrun every rank takes its part itself (--out gets .rankIofN per rank) "
                    "and rank 0 prints the merged summary and writes the merged --out.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-@click.option("--require", "requirements", type=RequirementType(), multiple=True,
+@click.option("--require", "requirements", type=REQUIREMENT, multiple=True,
               help=REQUIRE_HELP)
 @click.option("--attention-report", is_flag=True,
               help="Also measure attention on the same samples: ||Wq_l Wk_l^T|| and how far "
@@ -187,8 +171,7 @@ def certify(checkpoint, data_path, dataset, split, eps_values, limit, batch_size
     from lofast.certification.certificate import CertifySettings
     from lofast.certification.pipeline import run_certify
     from lofast.certification.report import summary_table
-    from lofast.config import AttackSettings, CertifyConfig, check_requirements
-    from lofast.errors import ConfigError
+    from lofast.config import CertifyConfig, check_requirements
 
     if save_adversarial is not None and not attack:
         raise ConfigError("--save-adversarial needs --attack")

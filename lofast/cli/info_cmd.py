@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from lofast.cli.certify_cmd import PositiveFloat
+from lofast.cli.certify_cmd import POSITIVE_NUMBER
 from lofast.cli.console import stderr as console
 from lofast.cli.console import stdout
 from lofast.config import DATASETS, SPLITS
@@ -29,7 +29,7 @@ from lofast.config import DATASETS, SPLITS
 @click.option("--split", type=click.Choice(SPLITS), default="test", show_default=True)
 @click.option("--n", "limit", type=click.IntRange(min=1), default=None,
               help="Measure on the first N samples of the class-balanced order (default: all).")
-@click.option("--eps", "eps_values", type=PositiveFloat(), multiple=True,
+@click.option("--eps", "eps_values", type=POSITIVE_NUMBER, multiple=True,
               help="Also certify the real and the ablated model at this l2 radius, e.g. 0.05 or "
                    "36/255 (repeatable), with the settings `lofast certify` uses by default "
                    "(LoFAST bound, kappa 1/2, --guarantee exact).")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from lofast.cli.certify_cmd import REQUIRE_HELP, RequirementType, exit_if_unmet
+from lofast.cli.certify_cmd import REQUIRE_HELP, REQUIREMENT, exit_if_unmet
 from lofast.cli.console import stderr, stdout
 
 
@@ -20,7 +20,7 @@ from lofast.cli.console import stderr, stdout
 @click.option("--merge", is_flag=True,
               help="RUNS are parts of one run (certify --shard): one summary over all of them.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON on stdout.")
-@click.option("--require", "requirements", type=RequirementType(), multiple=True,
+@click.option("--require", "requirements", type=REQUIREMENT, multiple=True,
               help=REQUIRE_HELP + " Every run (the merged run with --merge) must meet them.")
 def report(runs, plot_path, merge, as_json, requirements) -> None:
     """Summarise RUNS (files written by `lofast certify --out`), side by side."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from lofast.cli.certify_cmd import PositiveFloat
+from lofast.cli.certify_cmd import POSITIVE_NUMBER
 from lofast.cli.console import stderr as console
 from lofast.config import DATASETS, MAX_BATCH_SIZE, MAX_SEED, Loss, Schedule, TrainConfig, TrainRun
 from lofast.config.training import DEFAULT_PRESET
@@ -126,7 +126,7 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
               help="Checkpoint to write (.safetensors).")
 @click.option("--resume", is_flag=True,
               help="Continue from OUT.state.pt if an earlier run was interrupted.")
-@click.option("--time-limit", type=PositiveFloat(), default=None,
+@click.option("--time-limit", type=POSITIVE_NUMBER, default=None,
               metavar="SECONDS",
               help="Stop at the first step after SECONDS (counted from the start), with the "
                    "state saved mid-epoch and the weights so far written to OUT (marked as "
