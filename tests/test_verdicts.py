@@ -316,7 +316,9 @@ def test_requirements_compare_counts_of_samples_exactly():
                        bound="lofast", kappa=0.5, device="cpu")
 
     def unmet(run, *texts):
-        return run.unmet([parse_requirement(t) for t in texts])
+        lines = run.unmet([parse_requirement(t) for t in texts])
+        assert run.unmet(texts) == lines  # the texts themselves, as the Python API takes them
+        return lines
 
     run = summary(1000, 423 / 1000, 500 / 1000)
     assert unmet(run, "0.05=42.3", "clean=50", "0.05=0") == []

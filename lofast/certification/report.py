@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from lofast.certification.records import SampleRecord, eps_key
-from lofast.config import Requirement, check_requirements
+from lofast.config import Requirement, check_requirements, parse_requirement
 
 if TYPE_CHECKING:
     from lofast.certification.attention_report import AttentionReport
@@ -47,11 +47,13 @@ class Summary:
     median_adversarial_radius: float | None = None
     median_radius_ratio: float | None = None
 
-    def unmet(self, requirements: Sequence[Requirement]) -> list[str]:
-        """One line for each requirement (``config.Requirement``) the summary falls short of;
-        none where all are met. Counts of samples are compared with the exact percentage; a
-        summary of no samples meets none. ConfigError where a requirement names an eps the
-        run was not certified at."""
+    def unmet(self, requirements: Sequence[Requirement | str]) -> list[str]:
+        """One line for each requirement (a ``config.Requirement`` or its text, "36/255=42")
+        the summary falls short of; none where all are met. Counts of samples are compared
+        with the exact percentage; a summary of no samples meets none. ConfigError where a
+        requirement names an eps the run was not certified at."""
+        requirements = [r if isinstance(r, Requirement) else parse_requirement(r)
+                        for r in requirements]
         check_requirements(requirements, list(self.certified_accuracy))
         lines = []
         for requirement in requirements:
