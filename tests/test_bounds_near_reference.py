@@ -97,6 +97,46 @@ def test_products_match_the_maps_and_their_adjoints():
 
 
 
+def peak_allocated_bytes(run) -> int:
+    """The most bytes that torch's allocations made inside run() held at once (CPU), from the
+    profiler's record of every allocation and release in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
+        run()
+    steps = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]"
+                    else e.self_cpu_memory_usage) for e in recorded.events())
+    held = peak = 0
+    for _, change in steps:
+        held += change
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("n, d, h, dh, count, batch", [
+    (33, 16, 4, 4, 8, 1),  # scores dominate (h n^2 > n d)
+    (65, 32, 4, 8, 6, 1),
+    (5, 64, 4, 16, 16, 1),  # values dominate
+    (17, 64, 8, 8, 12, 3)])
+def test_the_chunk_planner_counts_what_the_jacobian_products_hold(n, d, h, dh, count, batch):
+    """``jacobian_working_elements`` (what ``deflated_first_order_bound`` sizes its chunks of
+    samples by) covers the memory that ``jacobian_apply`` and ``jacobian_adjoint`` hold at once,
+    and is not far above it: counting only the k n d products, as before, left out the k h n^2
+    score tensors, 26 times more at 257 tokens (chunks of 27 GiB on a GPU's 0.5 GiB budget)."""
+    from lofast.bounds.near_reference import jacobian_working_elements, project_basis
+
+    w = live_block(n, d, h, dh, 1.0, seed=1)
+    data = jacobian_data(make_tokens(batch, n, d, 1.0, seed=2), w)
+    G = torch.randn(count, n, d, generator=torch.Generator().manual_seed(3), dtype=F64)
+    heads, _, dv, _ = data.shape
+    projected = project_basis(G, data.projections, heads, dv)
+    for softmax in (False, True):
+        peak = peak_allocated_bytes(lambda: jacobian_adjoint(
+            jacobian_apply(G, data, softmax, projected), data, softmax))  # noqa: B023
+        planned = 8 * batch * jacobian_working_elements(count, data, softmax)
+        assert 0.5 * planned <= peak <= planned, (softmax, peak, planned)
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_token_mixing_is_the_same_per_sample_and_for_the_whole_batch(batch):
     """``_mix_tokens``' two ways (a product per sample on a CPU, one for the batch elsewhere)

@@ -350,6 +350,24 @@ def jacobian_rounding(data: JacobianData) -> tuple[Tensor, Tensor]:
     return g * first, g * (first + softmax)
 
 
+def jacobian_working_elements(count: int, data: JacobianData, softmax: bool) -> int:
+    """Float64 elements that ``jacobian_apply`` and then ``jacobian_adjoint`` hold at once for
+    one sample and ``count`` vectors: the image and the adjoint's output (k n d each), its
+    feature-major values twice (k n h dv each) and, with the softmax part, its score tensors
+    (k h n^2: once as scores, twice as the adjoint's left factor), plus a few tensors of the
+    sample alone (below). The score tensors dominate
+    from a few dozen tokens (at 257 tokens, width 128, 8 heads: 1.7e6 k elements, 26 times
+    k n d), so chunks sized by k n d alone would hold 26 times their workspace."""
+    heads, n, dv, _ = data.shape
+    d = data.output.shape[1]
+    per_vector = 2 * n * d + 2 * heads * dv * n + (3 * heads * n * n if softmax else 0)
+    # and per sample: P_l expanded over the value features (``_mix_tokens`` on a CPU), with the
+    # softmax part X Wv_l / s twice and the adjoint's right factor X Wk_l Wq_l^T, X Wq_l Wk_l^T
+    # (2 h n d) twice
+    per_sample = heads * dv * n * n + (2 * heads * n * dv + 4 * heads * n * d if softmax else 0)
+    return count * per_vector + per_sample
+
+
 def deflated_first_order_bound(data: JacobianData, deflation: Deflation, reference_norm: Tensor,
                                deviation: Tensor, softmax: Tensor | None,
                                projected: ProjectedBasis | None = None) -> tuple[Tensor, Tensor]:
@@ -358,9 +376,8 @@ def deflated_first_order_bound(data: JacobianData, deflation: Deflation, referen
     (3. of the module docstring). deflation: of T_R, ``complement`` in the units of T_X;
     reference_norm >= ||T_R||; deviation (B,) >= ||T_X - T_R||; projected: the basis's
     ``project_basis`` (formed here if not given; ``AttentionSpec.deflation_products`` keeps it
-    per model). The samples run in chunks whose (k, n, d) products fit the device's workspace
-    (``first_order.sample_chunks``): a large deflation holds k n d float64 numbers per sample
-    in each of several tensors."""
+    per model). The samples run in chunks whose products fit the device's workspace
+    (``first_order.sample_chunks`` with ``jacobian_working_elements``)."""
     batch, _, n, _ = data.probs.shape
     count, d = deflation.size, data.output.shape[1]
     with_softmax = softmax is not None
@@ -372,7 +389,8 @@ def deflated_first_order_bound(data: JacobianData, deflation: Deflation, referen
     rounding = r_jacobian if with_softmax else r_first
     whole = deviation + softmax if with_softmax else deviation
     bounds, estimates = [], []
-    for rows in sample_chunks(batch, count * n * d, data.probs.device):
+    for rows in sample_chunks(batch, jacobian_working_elements(count, data, with_softmax),
+                              data.probs.device):
         part = JacobianData(probs=data.probs[rows], x_query=data.x_query[rows],
                             x_key=data.x_key[rows], x_value=data.x_value[rows],
                             projections=data.projections, output=data.output,
