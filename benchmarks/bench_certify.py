@@ -9,6 +9,9 @@ images (timed apart: "setup_seconds"). Prints a table and writes JSON.
         [--spread R] [--checkpoint CKPT] [--guarantee exact] [--jacobian-slack S]
         [--out bench_certify.json]
 
+--profile ROWS adds torch.profiler's table of one certification of the first batch (the ROWS
+operators with the most self time, device time on a GPU, by input shape).
+
 --live-attention K switches attention on without retraining (``live_attention.py``: every
 block's Wq, Wk replaced by seeded random weights scaled to ||A_l|| / s = K, with singular
 values spread by the ratio --spread) and
@@ -33,6 +36,7 @@ import time
 
 import torch
 from live_attention import with_live_attention  # beside this script
+from profiling import profile_table  # beside this script
 
 from lofast.bounds.attention import attention_sensitivity
 from lofast.bounds.attention_spec import AttentionSpec
@@ -124,6 +128,10 @@ def main() -> None:
                         help="--live-attention with Wq, Wk singular values spread by this ratio")
     parser.add_argument("--jacobian-slack", type=float, default=None,
                         help="the certifier's jacobian_slack (lofast certify --jacobian-slack)")
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                        help="then profile one certification of the first batch: print the "
+                             "ROWS operators with the most self time (device time on a GPU), "
+                             "by input shape, and keep the table in the JSON")
     args = parser.parse_args()
 
     device = resolve_device(args.device)
@@ -166,6 +174,13 @@ def main() -> None:
         print(f"batch {len(xb):4d}: " + ", ".join(
             f"{k.removesuffix('_ms_per_sample')} {v:.2f}" for k, v in row.items()
             if k != "batch_size") + " (ms/sample)", flush=True)
+    profile = None
+    if args.profile:
+        batch = int(args.batch_sizes.split(",")[0])
+        profile, sort = profile_table(device, lambda: certifier.certify(x[:batch], y[:batch]),
+                                      rows=args.profile, shapes=True)
+        profile = f"one certification of {min(batch, len(x))} images, sorted by {sort}\n{profile}"
+        print(profile, flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=False).stdout.strip()
     report = {"device": str(device), "cuda": torch.cuda.get_device_name(device)
@@ -173,7 +188,7 @@ def main() -> None:
               "threads": torch.get_num_threads(), "guarantee": args.guarantee,
               "model": model.config.to_json(), "commit": commit, "setup_seconds": setup,
               "jacobian_slack": settings.method.jacobian_slack,
-              "rows": rows}
+              "rows": rows, "profile": profile}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {args.out}")

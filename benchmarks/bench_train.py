@@ -30,6 +30,7 @@ import platform
 import time
 
 import torch
+from profiling import profile_table  # beside this script
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lofast.checkpoint import load_checkpoint
@@ -101,16 +102,7 @@ def seconds_per_step(config: TrainConfig, initial: LipschitzViT, device: torch.d
 
 def write_profile(path: str, device: torch.device, step, steps: int = 5) -> None:
     """Five steps under torch.profiler; the 40 operators with the most self time to `path`."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as profiler:
-        for _ in range(steps):
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    table = profiler.key_averages().table(sort_by=sort, row_limit=40)
+    table, sort = profile_table(device, step, repeats=steps)
     with open(path, "w") as f:
         f.write(f"{steps} certified steps, sorted by {sort}\n{table}\n")
     print("\n".join(table.splitlines()[:18]))

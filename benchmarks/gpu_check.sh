@@ -45,7 +45,8 @@
 #      2g. with CHECKPOINTS (files, e.g. a trained 64-token model carried in), for each of
 #      them and each guarantee of CHECKPOINT_GUARANTEES (default "probabilistic exact"),
 #      benchmarks/bench_certify.py on the first CHECKPOINT_N (default 500) bundled images in
-#      one batch: the per-model proofs (setup_seconds) apart from ms a sample
+#      one batch: the per-model proofs (setup_seconds) apart from ms a sample, and the 25
+#      operators with the most device time in one certification of that batch
 #      (OUT/bench_NAME_GUARANTEE.json, within CHECKPOINT_SECONDS each, default 150);
 #      2h. with NORMS=1, benchmarks/bench_small_norms.py: the per-sample matrix norms of 256
 #      samples at 17, 65 and 257 tokens by the dense eigensolver and by the Cholesky proof an
@@ -184,7 +185,7 @@ for checkpoint in "${checkpoints[@]}"; do
         echo "== 2g. $checkpoint, $guarantee guarantee ($(elapsed) s)"
         timeout "${CHECKPOINT_SECONDS:-150}" python3 benchmarks/bench_certify.py \
             --checkpoint "$checkpoint" --guarantee "$guarantee" --n "${CHECKPOINT_N:-500}" \
-            --batch-sizes "${CHECKPOINT_N:-500}" --device "$device" \
+            --batch-sizes "${CHECKPOINT_N:-500}" --device "$device" --profile 25 \
             --out "$out/bench_$(basename "$checkpoint" .safetensors)_$guarantee.json" \
             || echo "bench_certify $checkpoint: exit $?"
     done
