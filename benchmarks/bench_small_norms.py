@@ -1,8 +1,10 @@
-"""Milliseconds for the per-sample matrix norms of an attention block (``matrix_norm_upper`` on
-the (B, h, n, d) token products, per_sample=True) by its two routes: the dense eigensolver of
-each n x n Gram matrix, and the Cholesky proof after a 32-step Lanczos estimate that an
-accelerator takes above 32 x 32 (PyTorch's batched CUDA eigensolver loops over the batch
-there). Also the largest relative difference of the two bounds, and the top eigenvalues of a
+"""Milliseconds for the per-sample matrix norms of an attention block (the (B, h, n, d) token
+products X Wq_l Wk_l^T, of rank dh = d / h) by three routes: the dense eigensolver of each
+n x n Gram matrix (``matrix_norm_upper``), the Cholesky proof after a 32-step Lanczos estimate
+that an accelerator takes above 32 x 32 (PyTorch's batched CUDA eigensolver loops over the
+batch there), and the dh x dh problems of the factors (``product_norm_upper``, what the
+certifier takes below n and d). Also the largest relative differences of the bounds, and the
+top eigenvalues of a
 batch of Lanczos tridiagonal matrices of the probabilistic guarantee's length (about 290 steps
 at 64 tokens) by the eigensolver on the device and on the host, and on CUDA the eigenpairs of
 the live default's per-sample 288 x 288 deflation matrices (``deflation.deflated_norm_bound``)
@@ -54,22 +56,33 @@ def main() -> None:
     device = resolve_device(args.device)
     generator = torch.Generator(device=device).manual_seed(0)
     rows = []
+    rank = args.width // args.heads  # dh = dv
+    factor = torch.randn(args.heads, args.width, rank, generator=generator, device=device,
+                         dtype=torch.float64) / args.width ** 0.5  # a weight behind the tokens
     for n in (int(t) for t in args.tokens.split(",")):
         # tokens alike, as projected patches are: a common part plus a smaller spread
-        tokens = (torch.randn(args.batch, args.heads, 1, args.width, generator=generator,
-                              device=device, dtype=torch.float64)
-                  + 0.3 * torch.randn(args.batch, args.heads, n, args.width, generator=generator,
-                                      device=device, dtype=torch.float64))
+        left = (torch.randn(args.batch, args.heads, 1, rank, generator=generator,
+                            device=device, dtype=torch.float64)
+                + 0.3 * torch.randn(args.batch, args.heads, n, rank, generator=generator,
+                                    device=device, dtype=torch.float64))
+        tokens = left @ factor.mT  # (B, h, n, width) of rank dh, as X Wq_l Wk_l^T
         exact, exact_s = timed(lambda t=tokens: spectral.matrix_norm_upper(t), device)
         proved, proved_s = timed(lambda t=tokens: spectral._proved_norms(
             t.reshape(-1, *t.shape[-2:])).reshape(t.shape[:-2]), device)
-        row = {"tokens": n, "matrices": args.batch * args.heads,
+        by_factors, factors_s = timed(lambda a=left: spectral.product_norm_upper(
+            a, spectral.product_factor(factor)), device)
+        row = {"tokens": n, "matrices": args.batch * args.heads, "rank": rank,
                "eigensolver_ms": 1e3 * exact_s, "proof_ms": 1e3 * proved_s,
-               "max_relative_difference": ((proved - exact) / exact).abs().max().item()}
+               "factors_ms": 1e3 * factors_s,
+               "max_relative_difference": ((proved - exact) / exact).abs().max().item(),
+               "factors_max_relative_difference":
+                   ((by_factors - exact) / exact).abs().max().item()}
         rows.append(row)
-        print(f"n {n:4d}, {row['matrices']} matrices of {n} x {args.width}: eigensolver "
-              f"{row['eigensolver_ms']:.1f} ms, proof {row['proof_ms']:.1f} ms, bounds within "
-              f"{row['max_relative_difference']:.2g}", flush=True)
+        print(f"n {n:4d}, {row['matrices']} matrices of {n} x {args.width} of rank {rank}: "
+              f"eigensolver {row['eigensolver_ms']:.1f} ms, proof {row['proof_ms']:.1f} ms, "
+              f"factors {row['factors_ms']:.1f} ms; bounds within "
+              f"{row['max_relative_difference']:.2g} / "
+              f"{row['factors_max_relative_difference']:.2g}", flush=True)
     steps = spectral.lanczos_plan(65 * args.width, spectral.SpectralMethod(kind="lanczos")).steps
     diagonal = torch.rand(args.batch, steps, generator=generator, device=device,
                           dtype=torch.float64)

@@ -169,6 +169,68 @@ def test_proved_norms_of_the_accelerator_route():
         assert upper[2] == 0
 
 
+def test_product_norms_from_r_by_r_problems():
+    """``product_norm_upper``: ||A B^T|| for per-sample A (B, h, n, r) and fixed B (h, d, r)
+    from r x r problems, an upper bound within 2 ROUNDING_MARGIN of the dense float64 norm for
+    ordinary factors; for a B of singular values down to 1e-7, a B with a zero and with a
+    repeated column, and zero, tiny and huge A, never looser than the bound of the formed
+    product by more than 2 ROUNDING_MARGIN, and never below the norm; +inf for a NaN."""
+    rng = np.random.default_rng(7)
+    A = torch.from_numpy(rng.standard_normal((6, 3, 20, 5)))
+    B = torch.from_numpy(rng.standard_normal((3, 12, 5)))
+    exact = torch.linalg.matrix_norm(A @ B.mT, ord=2)
+    upper = spectral.product_norm_upper(A, spectral.product_factor(B))
+    assert upper.shape == (6, 3)
+    assert (upper >= exact).all() and (upper <= exact * (1 + 2 * ROUNDING_MARGIN)).all()
+    u, _, v = torch.linalg.svd(B[0], full_matrices=False)
+    B[0] = u @ torch.diag(10.0 ** -torch.arange(5.0, dtype=torch.float64) ** 1.75) @ v
+    B[1, :, 0] = 0.0
+    B[2, :, 1] = B[2, :, 2]
+    A[0] = 0.0
+    A[1] *= 1e-200
+    A[2] *= 1e200
+    A[3, 0, 0, 0] = math.nan
+    finite = torch.isfinite(A).flatten(2).all(dim=2)
+    exact = torch.linalg.matrix_norm(torch.where(finite[..., None, None], A, 0.0) @ B.mT, ord=2)
+    upper = spectral.product_norm_upper(A, spectral.product_factor(B))
+    formed = matrix_norm_upper(A[finite] @ B.expand(6, -1, -1, -1)[finite].mT, per_sample=True)
+    assert (upper[finite] >= exact[finite]).all()
+    assert (upper[finite] <= formed * (1 + 2 * ROUNDING_MARGIN)).all()
+    assert (upper[0] == 0).all() and upper[3, 0] == math.inf
+
+
+def test_products_go_by_their_factors_below_half_both_sides_and_32_off_the_cpu():
+    """``takes_the_factors``: a rank at most half of both sides of the product, and on an
+    accelerator (the meta device stands in) at most 32, beyond which its r x r eigensolver
+    would loop."""
+    for device, rank, expected in [("cpu", 16, True), ("cpu", 40, True), ("cpu", 41, False),
+                                   ("meta", 16, True), ("meta", 32, True), ("meta", 40, False)]:
+        product = torch.empty(4, 8, 80, 128, device=device)
+        assert spectral.takes_the_factors(rank, product) is expected, (device, rank)
+    assert not spectral.takes_the_factors(16, torch.empty(4, 8, 17, 128))
+
+
+def test_product_norms_cover_the_rounding_of_a_nearly_singular_factor(monkeypatch):
+    """B's two columns 2^22 v and 2^22 v + w (integers) make B^T B nearly singular, and its
+    float64 Gram and square root lose the small direction along which A = a (1, -1) reads B:
+    the r x r eigenvalue alone falls below the exact ||A B^T|| = a ||w|| (the products are
+    exact in float64). The rounding term E sends such samples to the formed product; the
+    mutation that drops E fails."""
+    generator = torch.Generator().manual_seed(1)
+    cases = []
+    for _ in range(20):
+        v = torch.randint(-3, 4, (512,), generator=generator).double()
+        w = torch.randint(-1, 2, (512,), generator=generator).double()
+        B = torch.stack([2.0 ** 22 * v, 2.0 ** 22 * v + w], dim=1)
+        A = torch.randint(1, 4, (2, 1), generator=generator).double() * torch.tensor([1.0, -1.0])
+        exact = torch.linalg.matrix_norm(A @ B.mT, ord=2)
+        factor = spectral.product_factor(B)
+        assert spectral.product_norm_upper(A, factor) >= exact
+        cases.append((A, factor, exact))
+    monkeypatch.setattr(spectral, "_product_rounding", lambda A, *rest: A.new_zeros(()))
+    assert any(spectral.product_norm_upper(A, factor) < exact for A, factor, exact in cases)
+
+
 def test_matrix_norm_upper_proves_per_sample_matrices_above_32_only_off_the_cpu(monkeypatch):
     for device, shape, proved in (("meta", (2, 3, 33, 40), True), ("meta", (2, 3, 40, 33), True),
                                   ("meta", (1, 33, 40), True), ("meta", (2, 3, 32, 40), False),

@@ -109,10 +109,18 @@ import torch
 from torch import Tensor
 
 from lofast.bounds.attention_norms import BlockAtX, attention_norms
-from lofast.bounds.attention_spec import AttentionSpec
+from lofast.bounds.attention_spec import AttentionSpec, product_factors
 from lofast.bounds.first_order import as_float64, mix_heads
 from lofast.bounds.softmax_terms import probabilities_from_projections, score_norm
-from lofast.bounds.spectral import ROUNDING_MARGIN, Guarantee, SpectralMethod, matrix_norm_upper
+from lofast.bounds.spectral import (
+    ROUNDING_MARGIN,
+    Guarantee,
+    ProductFactor,
+    SpectralMethod,
+    matrix_norm_upper,
+    product_norm_upper,
+    takes_the_factors,
+)
 from lofast.bounds.verified import gamma
 
 # The softmax Jacobian diag(p) - p p^T has spectral norm <= 1/2 (Gershgorin), so no kappa below
@@ -311,8 +319,10 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
                                            _bias(w, device))  # (B, h, n, n)
     x_value = torch.einsum("bnd,hde->bhne", X, value)  # (B, h, n, dv) X Wv_l
     x_value_out = torch.einsum("bhne,hef->bhnf", x_value, output).contiguous()  # X B_l
-    value_norm = matrix_norm_upper(x_value_out, per_sample=True)  # ||X B_l||
     same_device = w.query.device == device
+    factors = w.product_factors if same_device else product_factors(query, key, output)
+    value_norm = head_product_norms(x_value, factors.behind_value, x_value_out)  # ||X B_l||
+    score_norms = head_product_norms(x_query, factors.behind_query, x_score)  # ||X A_l||
     score_weight_norm, value_weight_norm = (
         w.weight_norms if same_device else (matrix_norm_upper(query @ key.mT),
                                             matrix_norm_upper(value @ output)))
@@ -322,8 +332,7 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
         score = score_norm(x_score, x_score_t, method, generator)
         matrix_free += w.heads
     else:
-        score = (matrix_norm_upper(x_score_t, per_sample=True)
-                 + matrix_norm_upper(x_score, per_sample=True))
+        score = head_product_norms(x_key, factors.behind_key, x_score_t) + score_norms
 
     # ||D_X|| <= sum_l ||J_l|| m_l ||X B_l|| / s with ||J_l|| <= 1/2
     softmax = (score * value_norm).sum(dim=1) / (2.0 * w.scale) if softmax_jacobian else None
@@ -343,9 +352,8 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
     failure = (matrix_free * method.failure_probability
                if guarantee is Guarantee.PROBABILISTIC else 0.0)
     # the centred norms of the module docstring's "centred scores"
-    centered_scores_t = centered_norm(x_score_t)  # >= ||C X A_l^T||
-    centered_score = torch.minimum(score, centered_scores_t
-                                   + matrix_norm_upper(x_score, per_sample=True))
+    centered_scores_t = centered_product_norms(x_key, factors.behind_key, x_score_t)
+    centered_score = torch.minimum(score, centered_scores_t + score_norms)
     rows_score = None
     if softmax is not None:
         rows_score = (centered_scores_t + torch.linalg.vector_norm(x_score, dim=-1).amax(dim=-1)
@@ -355,7 +363,9 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
                                 value_weight_norm=value_weight_norm, scale=float(w.scale),
                                 kappa=float(kappa), guarantee=guarantee,
                                 failure_probability=failure, softmax_first_order=softmax,
-                                jacobian=jacobian, centered_value_norm=centered_norm(x_value_out),
+                                jacobian=jacobian,
+                                centered_value_norm=centered_product_norms(
+                                    x_value, factors.behind_value, x_value_out),
                                 row_score_sensitivity=rows_score,
                                 centered_score_sensitivity=centered_score)
 
@@ -363,6 +373,34 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
 def centered_rows(M: Tensor) -> Tensor:
     """C M for the centring C = I - 1 1^T / n and M (..., n, k): M less the mean of its rows."""
     return M - M.mean(dim=-2, keepdim=True)
+
+
+def head_product_norms(left: Tensor, right: ProductFactor | None, product: Tensor) -> Tensor:
+    """Upper bounds (B, h) on the norms of product = left right.factor^T (B, h, n, d), e.g.
+    ||X A_l|| from left = X Wq_l (B, h, n, r) and Wk_l: by r x r problems
+    (``spectral.product_norm_upper``) where ``spectral.takes_the_factors``, else by
+    ``matrix_norm_upper`` of the product (right None: r >= d)."""
+    if _smaller_by_factor(right, product):
+        return product_norm_upper(left, right)
+    return matrix_norm_upper(product, per_sample=True)
+
+
+def centered_product_norms(left: Tensor, right: ProductFactor | None, product: Tensor) -> Tensor:
+    """``head_product_norms`` of the centred product C product = (C left) right.factor^T, with
+    the centring's rounding (``centered_norm``): the computed C left is within
+    3 gamma_(n+1) sqrt(n) ||left||_F of the exact one (Frobenius), which the factor multiplies
+    by at most ||B|| <= (||S||_F^2 + residual)^(1/2)."""
+    if not _smaller_by_factor(right, product):
+        return centered_norm(product)
+    n = left.shape[-2]
+    rounding = (3.0 * gamma(n + 1) * math.sqrt(n) * torch.linalg.vector_norm(left, dim=(-2, -1))
+                * (right.root_square + right.residual).sqrt() * (1.0 + 2.0 ** -40))
+    return product_norm_upper(centered_rows(left), right) + rounding
+
+
+def _smaller_by_factor(right: ProductFactor | None, product: Tensor) -> bool:
+    """Whether the product (B, h, n, d) goes by its factor (``spectral.takes_the_factors``)."""
+    return right is not None and takes_the_factors(right.rank, product)
 
 
 def centered_norm(Y: Tensor) -> Tensor:

@@ -44,9 +44,36 @@ from lofast.bounds.first_order import (
 from lofast.bounds.krylov import LinearMap
 from lofast.bounds.near_reference import ProjectedBasis, project_basis
 from lofast.bounds.plain import PlainAttention
-from lofast.bounds.spectral import SpectralMethod, matrix_norm_upper, operator_norm
+from lofast.bounds.spectral import (
+    ProductFactor,
+    SpectralMethod,
+    matrix_norm_upper,
+    operator_norm,
+    product_factor,
+)
 from lofast.bounds.stage import Stage, StageRules
 from lofast.errors import CertificationError
+
+
+@dataclass(frozen=True)
+class ProductFactors:
+    """``AttentionSpec.product_factors``: for X Wq_l (behind it Wk_l), X Wk_l (Wq_l) and
+    X Wv_l (Wo_l^T), (h, d, r) factors each; None where r >= d (no smaller problem)."""
+
+    behind_query: ProductFactor | None
+    behind_key: ProductFactor | None
+    behind_value: ProductFactor | None
+
+
+def product_factors(query: Tensor, key: Tensor, output: Tensor) -> ProductFactors:
+    """``ProductFactors`` of the weights Wq_l, Wk_l (h, d, dh) and Wo_l (h, dv, d), float64 on
+    their device."""
+
+    def factor(B: Tensor) -> ProductFactor | None:
+        return product_factor(as_float64(B)) if B.shape[-1] < B.shape[-2] else None
+
+    return ProductFactors(behind_query=factor(key), behind_key=factor(query),
+                          behind_value=factor(output.mT))
 
 
 @dataclass(frozen=True)
@@ -131,6 +158,13 @@ class AttentionSpec(Stage):
     def weight_norms(self) -> tuple[Tensor, Tensor]:
         """Deterministic upper bounds (||A_l||, ||B_l||), (h,) float64 each."""
         return matrix_norm_upper(self.score_matrices()), matrix_norm_upper(self.value_matrices())
+
+    @functools.cached_property
+    def product_factors(self) -> ProductFactors:
+        """The weights behind per-sample products X W_l W'_l: Wk_l behind X Wq_l (X A_l), Wq_l
+        behind X Wk_l (X A_l^T), Wo_l^T behind X Wv_l (X B_l), as ``spectral.ProductFactor``s
+        for their norms by r x r problems (``spectral.product_norm_upper``)."""
+        return product_factors(self.query, self.key, self.output)
 
     @functools.cached_property
     def reference_probabilities(self) -> Tensor | None:
