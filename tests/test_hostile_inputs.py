@@ -122,7 +122,7 @@ BAD_INPUTS = {
     "record of 100,000 nested brackets": (["report", "{work}/nested.jsonl"],
                                           "nested.jsonl:1: not a lofast"),
     "train time limit nan": (["train", "--data", "{data}", "--time-limit", "nan", "--out",
-                              "{work}/m.safetensors"], "time_limit"),
+                              "{work}/m.safetensors"], "time-limit"),
     "a million attack restarts": (["certify", "--checkpoint", "{ckpt}", "--data", "{data}",
                                    "--eps", "0.1", "--attack", "--attack-restarts", "1000000"],
                                   "attack-restarts"),
