@@ -143,13 +143,9 @@ def test_the_jacobian_slack_trades_radius_for_proofs_and_stays_sound(
     assert not broken.any(), "PGD broke a certified sample"
 
 
-def test_per_sample_product_norms_by_their_factors_on_65_tokens(monkeypatch):
-    """||X B_l||, ||X A_l||, ||X A_l^T|| and their centred forms (65 x 48 products of rank 24)
-    from 24 x 24 problems (``spectral.product_norm_upper``) against the formed products'
-    eigensolver, on a 65-token block with position biases and strong live attention: radii
-    within 1e-9 of each other, and PGD breaks none of the certificates."""
-    from lofast.bounds import attention
-
+def live_block_of_65_tokens():
+    """A float64 model of one 65-token block of width 48 (patch 4, 2 heads of 24) with position
+    biases and strong live attention, six images and its own predictions as labels."""
     config = preset("tiny", patch_size=4, depth=1, width=48, position_bias=True)
     model = create_model(config, seed=0).double()
     with torch.no_grad():
@@ -159,7 +155,17 @@ def test_per_sample_product_norms_by_their_factors_on_65_tokens(monkeypatch):
             elif name.endswith("position_bias"):
                 p.normal_(0.0, 2.0, generator=torch.Generator().manual_seed(2))
     x = torch.rand(6, 3, 32, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    y = model(x).argmax(dim=1)
+    return model, x, model(x).argmax(dim=1)
+
+
+def test_per_sample_product_norms_by_their_factors_on_65_tokens(monkeypatch):
+    """||X B_l||, ||X A_l||, ||X A_l^T|| and their centred forms (65 x 48 products of rank 24)
+    from 24 x 24 problems (``spectral.product_norm_upper``) against the formed products'
+    eigensolver, on a 65-token block with position biases and strong live attention: radii
+    within 1e-9 of each other, and PGD breaks none of the certificates."""
+    from lofast.bounds import attention
+
+    model, x, y = live_block_of_65_tokens()
     factored = []
     original = attention.product_norm_upper
     monkeypatch.setattr(attention, "product_norm_upper",
@@ -182,16 +188,7 @@ def test_the_accelerator_route_of_per_sample_norms_on_65_tokens(kind, monkeypatc
     1e-5 of it, and PGD breaks none of the certificates."""
     from lofast.bounds import spectral
 
-    config = preset("tiny", patch_size=4, depth=1, width=48, position_bias=True)
-    model = create_model(config, seed=0).double()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "query" in name or "key" in name:
-                p.mul_(8.0)
-            elif name.endswith("position_bias"):
-                p.normal_(0.0, 2.0, generator=torch.Generator().manual_seed(2))
-    x = torch.rand(6, 3, 32, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    y = model(x).argmax(dim=1)
+    model, x, y = live_block_of_65_tokens()
     settings = CertifySettings(method=SpectralMethod(kind=kind))
     cpu_route = Certifier(model, settings).certify(x, y).radius()
     proved = []
