@@ -291,7 +291,8 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
 
     The matrix-free norms ||T_X|| and ||M_l|| use ``method``; every explicit matrix norm
     (||X B_l||, ||A_l X^T||, ||X A_l||, ||P_l||, ||A_l||, ||B_l||) is a deterministic upper bound
-    (``matrix_norm_upper``). The returned guarantee is the weakest involved.
+    (``matrix_norm_upper``; the products of rank dh or dv by their factors,
+    ``head_product_norms``). The returned guarantee is the weakest involved.
     """
     if first_order not in ("lofast", "naive"):
         raise ValueError(f"first_order must be 'lofast' or 'naive', got {first_order!r}")
