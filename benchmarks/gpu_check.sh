@@ -49,9 +49,10 @@
 #      operators with the most device time in one certification of that batch
 #      (OUT/bench_NAME_GUARANTEE.json, within CHECKPOINT_SECONDS each, default 150);
 #      2h. with NORMS=1, benchmarks/bench_small_norms.py: the per-sample matrix norms of 256
-#      samples at 17, 65 and 257 tokens by the dense eigensolver and by the Cholesky proof an
-#      accelerator takes above 32 x 32, and Lanczos tridiagonals' top eigenvalues on the
-#      device and the host (OUT/bench_small_norms.json);
+#      samples at 17, 65 and 257 tokens by the dense eigensolver, by the Cholesky proof an
+#      accelerator takes above 32 x 32 and by the factors' r x r problems, Lanczos
+#      tridiagonals' top eigenvalues on the device and the host, and the 288 x 288 deflation
+#      eigensolver by the default backend and MAGMA (OUT/bench_small_norms.json);
 #   3. lofast train with TRAIN_ARGS until PASS_SECONDS (default 520) after the start of the
 #      pass (none when less than a minute of it is left: PASS_SECONDS=0 gives the figures
 #      only), resumed from STATE when given (OUT/train.safetensors, and its .state.pt for the
