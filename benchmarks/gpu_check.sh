@@ -193,7 +193,7 @@ for checkpoint in "${checkpoints[@]}"; do
 done
 
 if [ -n "${NORMS:-}" ]; then
-    echo "== 2h. per-sample matrix norms: eigensolver against proof ($(elapsed) s)"
+    echo "== 2h. per-sample matrix norms: eigensolver, proof and factors ($(elapsed) s)"
     timeout 90 python3 benchmarks/bench_small_norms.py --device "$device" --batch 256 \
         --out "$out/bench_small_norms.json" || echo "bench_small_norms: exit $?"
 fi
