@@ -70,19 +70,24 @@ def live_block(n, d, h, dh, gain, seed, biased=True, residual=True):
     return with_score_gain(w, gain)
 
 
-def test_products_match_the_maps_and_their_adjoints():
-    w = live_block(6, 16, 2, 8, 1.0, seed=1)
-    X = make_tokens(3, 6, 16, 1.0, seed=2)
+@pytest.mark.parametrize("n, d, h, dh", [(6, 16, 2, 8), (12, 8, 4, 2)],
+                         ids=["adjoint by the n x d products", "adjoint by the projections"])
+def test_products_match_the_maps_and_their_adjoints(n, d, h, dh):
+    from lofast.bounds.near_reference import adjoint_by_projections
+
+    w = live_block(n, d, h, dh, 1.0, seed=1)
+    X = make_tokens(3, n, d, 1.0, seed=2)
     data = jacobian_data(X, w)
+    assert adjoint_by_projections(data) == (h * n > n + d)
     P, q, k, v, o = (data.probs, *(t.to(F64) for t in (w.query, w.key, w.value, w.output)))
     apply_t, adjoint_t = first_order_maps(P, v, o, True)
     x_value_out = torch.einsum("bhne,hef->bhnf", data.x_value, o)
     apply_d, adjoint_d = softmax_first_order_maps(
         P, *score_factors(data.x_query, data.x_key, q, k), x_value_out, w.scale)
     g = torch.Generator().manual_seed(3)
-    G = torch.randn(4, 6, 16, generator=g, dtype=F64)
+    G = torch.randn(4, n, d, generator=g, dtype=F64)
     first, whole = jacobian_apply(G, data, False), jacobian_apply(G, data, True)
-    Y = torch.randn(3, 4, 6, 16, generator=g, dtype=F64)
+    Y = torch.randn(3, 4, n, d, generator=g, dtype=F64)
     back_first, back_whole = jacobian_adjoint(Y, data, False), jacobian_adjoint(Y, data, True)
     for j in range(4):
         Gj = G[j].expand(3, -1, -1)
@@ -172,18 +177,20 @@ def test_the_row_softmax_jacobian_in_place_out_of_place_and_under_vmap():
     torch.testing.assert_close(batched, reference)
 
 
-def test_rounding_bound_covers_single_precision_products():
+@pytest.mark.parametrize("n, d, h, dh", [(5, 16, 4, 4), (12, 8, 4, 6)],
+                         ids=["adjoint by the n x d products", "adjoint by the projections"])
+def test_rounding_bound_covers_single_precision_products(n, d, h, dh):
     # the rounding bound scales with the unit roundoff: the same products in float32 (data
     # included) stay within r * (u32 / u64) of the float64 ones
-    w = live_block(5, 16, 4, 4, 3.0, seed=4)
-    X = make_tokens(2, 5, 16, 2.0, seed=5)
+    w = live_block(n, d, h, dh, 3.0, seed=4)
+    X = make_tokens(2, n, d, 2.0, seed=5)
     data = jacobian_data(X, w)
     single = JacobianData(**{name: getattr(data, name).float() if torch.is_tensor(
         getattr(data, name)) else getattr(data, name) for name in data.__dataclass_fields__})
     r_first, r_whole = jacobian_rounding(data)
     ratio = 2.0 ** -24 / 2.0 ** -53
     g = torch.Generator().manual_seed(6)
-    basis = torch.randn(3, 5, 16, generator=g, dtype=F64)
+    basis = torch.randn(3, n, d, generator=g, dtype=F64)
     basis = basis / basis.flatten(1).norm(dim=1)[:, None, None]
     for softmax, r in ((False, r_first), (True, r_whole)):
         exact = jacobian_apply(basis, data, softmax)

@@ -294,16 +294,30 @@ def jacobian_adjoint(Y: Tensor, data: JacobianData, softmax: bool) -> Tensor:
     out = torch.baddbmm(flat, value.view(batch, heads * dv, count * n).mT,
                         parts[0].mT.expand(batch, -1, -1), beta=data.residual)
     if softmax:
-        # The score change G Wq_l (X Wk_l)^T + X Wq_l (G Wk_l)^T reads G through the (n x d)
-        # matrices X Wk_l Wq_l^T (by token m) and X Wq_l Wk_l^T (by token i): with them, both
-        # halves of its adjoint are one product with inner dimension 2 h n, rows (j, token).
-        # Its left factor [b, j, i, half, l, m] takes the softmax Jacobian's output
-        # A_l[j, i, m] as half 0 (written there by the last elementwise step) and its
-        # transpose A_l[j, m, i] as half 1.
-        left = Y.new_empty(batch, count, n, 2, heads, n)
+        # The score change G Wq_l (X Wk_l)^T + X Wq_l (G Wk_l)^T reads G through X Wk_l Wq_l^T
+        # (by token m) and X Wq_l Wk_l^T (by token i). Its adjoint takes the softmax
+        # Jacobian's output A_l[j, i, m] by token m (half 0) and transposed, A_l[j, m, i]
+        # (half 1).
         scores = (mixed.view(batch * heads, dv, count * n).mT
                   @ (data.x_value / data.scale).reshape(batch * heads, n, dv).mT
                   ).view(batch, heads, count, n, n)  # [b, l, j, i, m]
+        if adjoint_by_projections(data):
+            # (A_l X Wk_l) Wq_l^T and (A_l^T X Wq_l) Wk_l^T: the token sums against the
+            # (n x dh) projections, then one product with inner dimension 2 h dh
+            row_softmax_jacobian(data.probs[:, :, None], scores, out=scores)
+            by_token = scores.view(batch * heads, count, n, n)
+            halves = torch.stack([
+                by_token @ data.x_key.reshape(batch * heads, 1, n, dh),
+                by_token.mT @ data.x_query.reshape(batch * heads, 1, n, dh)])  # [half, (b, l), j, i, e]
+            halves = halves.view(2, batch, heads, count * n, dh).permute(1, 3, 0, 2, 4)
+            weights = torch.cat([parts[1], parts[2]], dim=1).mT  # [(half, l, e), f]
+            out.baddbmm_(halves.reshape(batch, count * n, 2 * heads * dh),
+                         weights.expand(batch, -1, -1))
+            return out.view(batch, count, n, d)
+        # Otherwise one product with inner dimension 2 h n (fewer operations where h n <= n + d):
+        # its left factor [b, j, i, half, l, m] takes A_l[j, i, m] as half 0 (written there by
+        # the last elementwise step) and A_l[j, m, i] as half 1.
+        left = Y.new_empty(batch, count, n, 2, heads, n)
         row_softmax_jacobian(data.probs[:, :, None], scores,
                   out=left[:, :, :, 0].permute(0, 3, 1, 2, 4))  # [b, l, j, i, m]
         left[:, :, :, 1] = left[:, :, :, 0].transpose(2, 4)
@@ -318,6 +332,15 @@ def jacobian_adjoint(Y: Tensor, data: JacobianData, softmax: bool) -> Tensor:
     return out.view(batch, count, n, d)
 
 
+def adjoint_by_projections(data: JacobianData) -> bool:
+    """Whether ``jacobian_adjoint`` reads the score change's adjoint through the (n x dh)
+    projections X Wk_l, X Wq_l and then the weights (2 k n d (n + d) operations a sample) rather
+    than through the (n x d) products X Wk_l Wq_l^T, X Wq_l Wk_l^T (2 h k n^2 d): where
+    h n > n + d, from a few dozen tokens (at 65 tokens, width 128, 8 heads 2.7 times fewer)."""
+    heads, n, _, _ = data.shape
+    return heads * n > n + data.output.shape[1]
+
+
 def jacobian_rounding(data: JacobianData) -> tuple[Tensor, Tensor]:
     """(r_T, r_J) (B,): ||fl(L x) - L x|| <= r ||x|| for L = T_X, T_X + D_X and their adjoints
     as ``jacobian_apply`` and ``jacobian_adjoint`` evaluate them.
@@ -327,7 +350,9 @@ def jacobian_rounding(data: JacobianData) -> tuple[Tensor, Tensor]:
     (Higham, Lemma 3.3 and eq. 3.5); m = 3 d + 3 n + 2 dh + 2 h (dv + n) + 16 exceeds every
     such path (the adjoint's score part sums 2 h n products with X Wk_l Wq_l^T and
     X Wq_l Wk_l^T, whose entries are sums of dh products and, taken absolutely, at most the
-    products |X Wk_l| |Wq_l|^T that the bound below counts).
+    products |X Wk_l| |Wq_l|^T that the bound below counts), plus 2 h dh where the adjoint
+    goes by the projections (``adjoint_by_projections``: sums over n tokens, then over
+    2 h dh; the same absolute products, associated the other way).
     The absolute evaluation of T_X has Frobenius norm at most
     (r + sum_l ||P_l||_2 ||Wv_l||_F ||Wo_l||_F) ||G||_F with ||P_l||_2 <= (max column sum)^(1/2)
     for a row-stochastic P_l >= 0; that of D_X at most
@@ -346,7 +371,9 @@ def jacobian_rounding(data: JacobianData) -> tuple[Tensor, Tensor]:
     softmax = (2.0 / data.scale * (query * frob(data.x_key, dim=(2, 3))
                                    + frob(data.x_query, dim=(2, 3)) * key)
                * frob(data.x_value, dim=(2, 3)) * output).sum(dim=1)
-    g = gamma(3 * d + 3 * n + 2 * dh + 2 * heads * (dv + n) + 16) * (1.0 + 2.0 ** -30)
+    by_projections = 2 * heads * dh if adjoint_by_projections(data) else 0
+    g = (gamma(3 * d + 3 * n + 2 * dh + 2 * heads * (dv + n) + 16 + by_projections)
+         * (1.0 + 2.0 ** -30))
     return g * first, g * (first + softmax)
 
 
@@ -354,13 +381,15 @@ def jacobian_working_elements(count: int, data: JacobianData, softmax: bool) -> 
     """Float64 elements that ``jacobian_apply`` and then ``jacobian_adjoint`` hold at once for
     one sample and ``count`` vectors: the image and the adjoint's output (k n d each), its
     feature-major values twice (k n h dv each) and, with the softmax part, its score tensors
-    (k h n^2: once as scores, twice as the adjoint's left factor), plus a few tensors of the
-    sample alone (below). The score tensors dominate from a few dozen tokens (at 257 tokens,
+    (k h n^2: once as scores, twice as the adjoint's left factor, or 4 k h dh n for the two
+    halves where it goes by the projections), plus a few tensors of the sample alone (below). The score tensors dominate from a few dozen tokens (at 257 tokens,
     width 128, 8 heads: 1.7e6 k elements, 26 times k n d), so chunks sized by k n d alone
     would hold 26 times their workspace."""
-    heads, n, dv, _ = data.shape
+    heads, n, dv, dh = data.shape
     d = data.output.shape[1]
-    per_vector = 2 * n * d + 2 * heads * dv * n + (3 * heads * n * n if softmax else 0)
+    scores = (heads * n * n + 4 * heads * dh * n if adjoint_by_projections(data)
+              else 3 * heads * n * n)  # the adjoint's left factor, or its two halves twice
+    per_vector = 2 * n * d + 2 * heads * dv * n + (scores if softmax else 0)
     # and per sample: P_l expanded over the value features (``_mix_tokens`` on a CPU), with the
     # softmax part X Wv_l / s twice and the adjoint's right factor X Wk_l Wq_l^T, X Wq_l Wk_l^T
     # (2 h n d) twice
