@@ -130,7 +130,8 @@ def test_matrix_norm_upper_on_batched_explicit_matrices():
 
 def test_matrix_norm_upper_on_zero_tiny_and_huge_matrices():
     """Matrices whose Gram matrix would underflow or overflow are rescaled exactly first; in one
-    batch with ordinary ones, each still gets its own tight upper bound."""
+    batch with ordinary ones, each still gets its own tight upper bound; a NaN or an infinite
+    entry gets +inf."""
     rng = np.random.default_rng(5)
     M = torch.from_numpy(rng.standard_normal((5, 6, 9)))
     M[1] *= 1e-200  # squares underflow to zero
@@ -143,6 +144,10 @@ def test_matrix_norm_upper_on_zero_tiny_and_huge_matrices():
         assert upper.shape == norms.shape
         assert (upper >= norms).all() and (upper <= norms * (1 + 2 * ROUNDING_MARGIN)).all()
     assert matrix_norm_upper(M)[2] == 0
+    M[3, 0, 0], M[4, 1, 1] = math.nan, math.inf  # no bound but +inf, and no eigensolver error
+    upper = matrix_norm_upper(M, per_sample=True)
+    assert upper[3] == math.inf and upper[4] == math.inf
+    assert (upper[[0, 1, 2]] == matrix_norm_upper(M[[0, 1, 2]])).all()
 
 
 def test_proved_norms_of_the_accelerator_route():

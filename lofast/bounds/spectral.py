@@ -435,7 +435,13 @@ def _scaled_norm(M: Tensor) -> Tensor:
     """The float64 spectral norms of M (..., m, k), computed after an exact rescaling of each
     matrix by a power of two (its largest entry then lies in [1/2, 1): no overflow, and
     underflow negligible next to the norm), from the smaller Gram matrix up to GRAM_LIMIT and
-    by the SVD beyond."""
+    by the SVD beyond; +inf for a matrix with a NaN or an infinite entry (no eigensolver
+    takes it)."""
+    finite = torch.isfinite(M).flatten(-2).all(dim=-1)
+    if not bool(finite.all()):
+        sigma = torch.full(M.shape[:-2], math.inf, dtype=M.dtype, device=M.device)
+        sigma[finite] = _scaled_norm(M[finite])
+        return sigma
     rows, cols = M.shape[-2:]
     unit = power_of_two_above(M.abs().amax(dim=(-2, -1)))
     M = M / unit[..., None, None]
