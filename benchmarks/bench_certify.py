@@ -36,7 +36,7 @@ import time
 
 import torch
 from live_attention import with_live_attention  # beside this script
-from profiling import profile_table  # beside this script
+from measure import profile_table, timed  # beside this script
 
 from lofast.bounds.attention import attention_sensitivity
 from lofast.bounds.attention_spec import AttentionSpec
@@ -48,19 +48,6 @@ from lofast.runtime import resolve_device
 
 KINDS = {"exact": "verified", "exact-dense": "dense", "probabilistic": "lanczos",
          "estimate": "power"}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device):
-    sync(device)
-    start = time.perf_counter()
-    out = fn()
-    sync(device)
-    return out, time.perf_counter() - start
 
 
 @torch.no_grad()  # as in Certifier.certify: no autograd graph (the weights require grad)

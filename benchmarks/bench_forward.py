@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 
 import torch
+from measure import timed  # beside this script
 from torch import nn
 
 from lofast.checkpoint import default_checkpoint_path, load_checkpoint
@@ -50,19 +50,6 @@ class PlainViT(nn.Module):
         return self.head(self.norm(self.encoder(tokens)).mean(dim=1))
 
 
-def seconds(fn, device: torch.device, repeats: int = 1) -> float:
-    """Mean wall-clock seconds of fn() over ``repeats`` calls, the device synchronised."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / repeats
-
-
-@torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default=None)
@@ -77,10 +64,10 @@ def main() -> None:
     plain = PlainViT(config).to(device).eval()
     images = torch.rand(args.batch, config.channels, config.image_size, config.image_size,
                         generator=torch.Generator().manual_seed(0)).to(device)
-    first = seconds(lambda: model(images), device)  # computes and keeps the caps
-    seconds(lambda: plain(images), device)  # warm-up
-    later = seconds(lambda: model(images), device, args.repeats)
-    baseline = seconds(lambda: plain(images), device, args.repeats)
+    first = timed(lambda: model(images), device)[1]  # computes and keeps the caps
+    timed(lambda: plain(images), device)[1]  # warm-up
+    later = timed(lambda: model(images), device, args.repeats)[1]
+    baseline = timed(lambda: plain(images), device, args.repeats)[1]
     report = {"device": str(device), "cpu": platform.processor() or platform.machine(),
               "threads": torch.get_num_threads(), "batch": args.batch, "model": config.to_json(),
               "first_call_ms": 1e3 * first, "later_calls_ms": 1e3 * later,

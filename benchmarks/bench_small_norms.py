@@ -18,30 +18,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
+from measure import timed  # beside this script
 
 from lofast.bounds import spectral
 from lofast.runtime import resolve_device
 
 
-def timed(function, device: torch.device, repeats: int = 3) -> tuple[torch.Tensor, float]:
+def best_time(function, device: torch.device, repeats: int = 3) -> tuple[torch.Tensor, float]:
     """The result of function() and its best time in seconds: of ``repeats`` runs after a
     first one, or the first alone where it took over a second (the looping eigensolver)."""
-    def run() -> tuple[torch.Tensor, float]:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        out = function()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return out, time.perf_counter() - start
-
-    out, first = run()
+    out, first = timed(function, device)
     if first > 1.0:
         return out, first
-    return out, min(run()[1] for _ in range(repeats))
+    return out, min(timed(function, device)[1] for _ in range(repeats))
 
 
 def main() -> None:
@@ -66,10 +57,10 @@ def main() -> None:
                 + 0.3 * torch.randn(args.batch, args.heads, n, rank, generator=generator,
                                     device=device, dtype=torch.float64))
         tokens = left @ factor.mT  # (B, h, n, width) of rank dh, as X Wq_l Wk_l^T
-        exact, exact_s = timed(lambda t=tokens: spectral.matrix_norm_upper(t), device)
-        proved, proved_s = timed(lambda t=tokens: spectral._proved_norms(
+        exact, exact_s = best_time(lambda t=tokens: spectral.matrix_norm_upper(t), device)
+        proved, proved_s = best_time(lambda t=tokens: spectral._proved_norms(
             t.reshape(-1, *t.shape[-2:])).reshape(t.shape[:-2]), device)
-        by_factors, factors_s = timed(lambda a=left: spectral.product_norm_upper(
+        by_factors, factors_s = best_time(lambda a=left: spectral.product_norm_upper(
             a, spectral.product_factor(factor)), device)
         row = {"tokens": n, "matrices": args.batch * args.heads, "rank": rank,
                "eigensolver_ms": 1e3 * exact_s, "proof_ms": 1e3 * proved_s,
@@ -88,8 +79,8 @@ def main() -> None:
                           dtype=torch.float64)
     tridiagonal = (torch.diag_embed(diagonal) + torch.diag_embed(0.5 * diagonal[:, 1:], 1)
                    + torch.diag_embed(0.5 * diagonal[:, 1:], -1))
-    _, here_s = timed(lambda: torch.linalg.eigvalsh(tridiagonal)[:, -1], device)
-    _, host_s = timed(lambda: torch.linalg.eigvalsh(tridiagonal.cpu())[:, -1].to(device), device)
+    _, here_s = best_time(lambda: torch.linalg.eigvalsh(tridiagonal)[:, -1], device)
+    _, host_s = best_time(lambda: torch.linalg.eigvalsh(tridiagonal.cpu())[:, -1].to(device), device)
     lanczos = {"steps": steps, "matrices": args.batch, "device_ms": 1e3 * here_s,
                "host_ms": 1e3 * host_s}
     print(f"{args.batch} Lanczos tridiagonals of {steps} x {steps}: top eigenvalue "
@@ -103,7 +94,7 @@ def main() -> None:
         for backend in ("default", "magma"):
             try:
                 torch.backends.cuda.preferred_linalg_library(backend)
-                eigh[backend] = 1e3 * timed(lambda: torch.linalg.eigh(K), device)[1]
+                eigh[backend] = 1e3 * best_time(lambda: torch.linalg.eigh(K), device)[1]
             except RuntimeError as error:  # a build without that backend
                 eigh[backend] = str(error)
             finally:

@@ -55,6 +55,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from measure import sync  # beside this script
 
 from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.certification.records import eps_key
@@ -92,11 +93,6 @@ def parse_eps(values: list[str]) -> list[float]:
                 raise SystemExit(f"--eps: {part!r} is not a positive number")
             eps.add(number)
     return sorted(eps)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def device_name(device: torch.device) -> str:

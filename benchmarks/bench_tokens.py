@@ -28,9 +28,9 @@ import argparse
 import json
 import math
 import platform
-import time
 
 import torch
+from measure import timed  # beside this script
 
 from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.config import ModelConfig
@@ -39,18 +39,6 @@ from lofast.runtime import resolve_device
 
 # patch tokens -> (image size, patch size)
 SHAPES = {4: (32, 16), 16: (32, 8), 64: (32, 4), 256: (64, 4)}
-
-
-def timed_certify(certifier: Certifier, images: torch.Tensor, labels: torch.Tensor,
-                  device: torch.device) -> float:
-    """Seconds for the certifier to certify the images (its per-model proofs on its first call)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    certifier.certify(images, labels)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
 
 
 def measure(tokens: int, guarantee: str, args: argparse.Namespace,
@@ -69,8 +57,9 @@ def measure(tokens: int, guarantee: str, args: argparse.Namespace,
         with torch.no_grad():
             labels = model(images).argmax(dim=1)
         certifier = Certifier(model, CertifySettings(guarantee=guarantee), device)
-        small = timed_certify(certifier, images[: args.small], labels[: args.small], device)
-        sample = timed_certify(certifier, images, labels, device) / args.large
+        small = timed(lambda c=certifier, y=labels: c.certify(images[: args.small],
+                                                              y[: args.small]), device)[1]
+        sample = timed(lambda c=certifier, y=labels: c.certify(images, y), device)[1] / args.large
         per_sample.append(sample)
         once.append(max(small - args.small * sample, 0.0))
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None

@@ -30,7 +30,7 @@ import platform
 import time
 
 import torch
-from profiling import profile_table  # beside this script
+from measure import profile_table, sync  # beside this script
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lofast.checkpoint import load_checkpoint
@@ -79,12 +79,10 @@ def seconds_per_step(config: TrainConfig, initial: LipschitzViT, device: torch.d
     started = 0.0
     for step in range(warmup + steps):
         if step == warmup:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync(device)
             started = time.perf_counter()
         training_step(objective, optimizer, x, y, config.train_eps, use_amp)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     seconds = (time.perf_counter() - started) / steps
     if profile is not None:
         write_profile(profile, device, lambda: training_step(objective, optimizer, x, y,

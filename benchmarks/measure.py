@@ -1,11 +1,30 @@
-"""(helper) torch.profiler's table of the operators that took the most time of their own, for
-the benchmarks that print where their time goes."""
+"""(helper) How the benchmarks measure: wall-clock seconds with the device synchronised, and
+torch.profiler's table of the operators that took the most time of their own."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
+
+
+def sync(device: torch.device) -> None:
+    """Waits for the device's queued work (a no-op on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(run: Callable[[], Any], device: torch.device, repeats: int = 1) -> tuple[Any, float]:
+    """The result of the last of ``repeats`` calls of run() and their mean wall-clock seconds,
+    the device synchronised before and after."""
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = run()
+    sync(device)
+    return out, (time.perf_counter() - start) / repeats
 
 
 def profile_table(device: torch.device, run: Callable[[], object], repeats: int = 1,
@@ -19,8 +38,7 @@ def profile_table(device: torch.device, run: Callable[[], object], repeats: int 
     with torch.profiler.profile(activities=activities, record_shapes=shapes) as profiler:
         for _ in range(repeats):
             run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = profiler.key_averages(group_by_input_shape=shapes).table(
         sort_by=sort, row_limit=rows, max_name_column_width=40, max_shapes_column_width=70)
