@@ -332,6 +332,9 @@ def test_requirements_compare_counts_of_samples_exactly():
     assert len(unmet(empty, "0.05=0", "clean=0")) == 2
     with pytest.raises(ConfigError, match="certifies at eps 0.05, not 0.1"):
         unmet(run, "0.1=10")
+    for bad in ("0.05=200", "-0.05=10", "0.05"):  # the Python API's texts, refused as the CLI's
+        with pytest.raises(ConfigError):
+            run.unmet([bad])
 
 
 def test_require_sets_the_exit_code_of_certify_and_report(checkpoint, data_dir, tmp_path):
