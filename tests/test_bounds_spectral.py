@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lofast.bounds import spectral, verified
+from lofast.bounds import krylov, spectral, verified
 from lofast.bounds.krylov import BREAKDOWN_TOL
 from lofast.bounds.spectral import (
     ROUNDING_MARGIN,
@@ -301,6 +301,54 @@ def test_breakdown_is_handled():
         assert (result >= exact).all()
         assert (result <= exact * (1 + SLACK + 1e-12)).all()
     assert explicit_norm(M, "power", g)[2] == 0
+
+
+def test_reorthogonalisation_repeats_where_a_pass_cancels(monkeypatch):
+    # w = q_0 + 1e-10 r (r orthogonal to the basis): one pass leaves a vector of norm 1e-10
+    # whose components along the basis are rounding of w's, about 1e-16: 1e-6 of it; the second
+    # pass, run for that sample alone, restores orthogonality to working precision
+    g = torch.Generator().manual_seed(10)
+    n, j = 400, 30
+    frame = torch.linalg.qr(torch.randn(n, j + 2, generator=g, dtype=torch.float64)).Q.mT
+    previous = frame[:j].expand(3, j, n).contiguous()
+    r = frame[j]
+    w = torch.stack([frame[0] + 1e-10 * r, frame[j + 1] + 0.3 * frame[1], 1e-10 * r])
+
+    def leftover(out):
+        return ((previous @ out[:, :, None])[:, :, 0].norm(dim=1) / out.norm(dim=1))
+
+    out, norm = krylov._reorthogonalise(w, previous)
+    assert torch.allclose(norm, out.norm(dim=1), rtol=0, atol=0)
+    assert leftover(out)[0] < 1e-14 and (leftover(out) < 1e-14).all()
+    for sample in range(3):  # each sample's bits do not depend on its batch
+        alone, _ = krylov._reorthogonalise(w[sample: sample + 1], previous[sample: sample + 1])
+        assert torch.equal(alone[0], out[sample])
+    monkeypatch.setattr(krylov, "REPEAT_BELOW", 0.0)  # one pass only: the first sample drifts
+    once, _ = krylov._reorthogonalise(w, previous)
+    assert leftover(once)[0] > 1e-9
+    assert torch.equal(once[1:], out[1:])  # the others took one pass anyway
+
+
+def test_lanczos_basis_stays_orthonormal_through_clusters():
+    # four clusters of 50 eigenvalues 1e-9 wide: the Krylov space nearly closes every 4 steps
+    # (beta ~ 1e-8 of the norm), the case where reorthogonalisation matters
+    g = torch.Generator().manual_seed(11)
+    centres = torch.tensor([1.0, 0.7, 0.4, 0.1], dtype=torch.float64)
+    values = (centres[:, None] + 1e-9 * torch.rand(4, 50, generator=g, dtype=torch.float64))
+    rotation = torch.linalg.qr(torch.randn(200, 200, generator=g, dtype=torch.float64)).Q
+    A = (rotation * values.flatten()) @ rotation.mT
+    A = (A + A.mT) / 2
+    start = torch.randn(2, 200, generator=g, dtype=torch.float64)
+    start = start / start.norm(dim=1, keepdim=True)
+    tridiagonal, basis = krylov._lanczos(lambda q: q @ A, start, 40)
+    for b in range(2):
+        kept = basis[b][basis[b].norm(dim=1) > 0]
+        assert kept.shape[0] >= 12
+        eye = torch.eye(kept.shape[0], dtype=torch.float64)
+        assert (kept @ kept.mT - eye).abs().max() < 1e-13
+    top = torch.linalg.eigvalsh(tridiagonal)[:, -1]
+    exact = torch.linalg.eigvalsh(A)[-1]
+    assert (top <= exact * (1 + 1e-14)).all() and (top >= exact - 1e-8).all()
 
 
 def test_determinism_for_a_seed():

@@ -16,6 +16,10 @@ from torch import Tensor
 # residual (about m u) so that true breakdowns are caught, and far below ROUNDING_MARGIN.
 BREAKDOWN_TOL = 1e-12
 
+# Reorthogonalisation (``_reorthogonalise``): a second Gram-Schmidt pass where the first left
+# less than this share of the vector's norm (the DGKS criterion's 1 / sqrt(2)).
+REPEAT_BELOW = 2.0 ** -0.5
+
 LinearMap = Callable[[Tensor], Tensor]
 
 
@@ -29,7 +33,8 @@ def fixed_unit_vector(size: int, device: torch.device) -> Tensor:
 def lanczos_ritz(gram: LinearMap, start: Tensor, m: int) -> Tensor:
     """Largest Ritz value (clamped at 0) of m Lanczos steps on the symmetric PSD maps ``gram``
     ((B, N) -> (B, N)) from the unit vectors ``start`` (B, N), with full reorthogonalisation
-    (CGS2) and breakdown handling; at most lambda_max in exact arithmetic. Returns (B,)."""
+    (``_reorthogonalise``) and breakdown handling; at most lambda_max in exact arithmetic.
+    Returns (B,)."""
     tridiagonal, _ = _lanczos(gram, start, m)
     return torch.linalg.eigvalsh(tridiagonal)[:, -1].clamp_min(0.0)
 
@@ -59,7 +64,8 @@ def lanczos_ritz_vectors(gram: LinearMap, start: Tensor, m: int,
 
 def _lanczos(gram: LinearMap, start: Tensor, m: int) -> tuple[Tensor, Tensor]:
     """m Lanczos steps (see ``lanczos_ritz``): the tridiagonal matrices (B, m, m) and the bases
-    (B, m, N)."""
+    (B, m, N). Each step removes alpha_j q_j and beta_(j-1) q_(j-1) (the three-term
+    recurrence), then reorthogonalises against every earlier vector (``_reorthogonalise``)."""
     batch, dim = start.shape
     basis = start.new_zeros(batch, m, dim)
     alpha = start.new_zeros(batch, m)
@@ -74,12 +80,10 @@ def _lanczos(gram: LinearMap, start: Tensor, m: int) -> tuple[Tensor, Tensor]:
         scale = torch.maximum(scale, torch.linalg.vector_norm(w, dim=1))
         if j == m - 1:
             break
-        previous = basis[:, : j + 1]
-        for _ in range(2):  # CGS2: removes alpha_j q_j, beta_{j-1} q_{j-1} and rounding drift
-            # row-vector products (1 x N)(N x j+1) and (1 x j+1)(j+1 x N): the fastest layout
-            coefficients = torch.bmm(w[:, None, :], previous.mT)  # (B, 1, j + 1)
-            w = w - torch.bmm(coefficients, previous)[:, 0]
-        norm = torch.linalg.vector_norm(w, dim=1)
+        w = w - alpha[:, j, None] * q
+        if j > 0:
+            w = w - beta[:, j - 1, None] * basis[:, j - 1]
+        w, norm = _reorthogonalise(w, basis[:, : j + 1])
         # Breakdown: span(q_0..q_j) is an exact invariant subspace of A + E, ||E|| <= beta_j (the
         # recursion so far is that of A + E). Zero the sample's recursion: its later vectors are
         # 0, adding zero rows and columns to T, which keep its top eigenvalue (T is PSD).
@@ -89,6 +93,36 @@ def _lanczos(gram: LinearMap, start: Tensor, m: int) -> tuple[Tensor, Tensor]:
     tridiagonal = (torch.diag_embed(alpha) + torch.diag_embed(beta[:, :-1], offset=1)
                    + torch.diag_embed(beta[:, :-1], offset=-1))
     return tridiagonal, basis
+
+
+def _reorthogonalise(w: Tensor, previous: Tensor) -> tuple[Tensor, Tensor]:
+    """w (B, N) less its components along the orthonormal rows of previous (B, j, N), and its
+    norm (B,): classical Gram-Schmidt, applied a second time to the samples whose first pass
+    left less than REPEAT_BELOW of their norm: so much cancelled that the pass's rounding may
+    leave w out of orthogonality (Daniel, Gragg, Kaufman & Stewart 1976; after the three-term
+    step that happens only near an invariant subspace). Each pass reads every earlier vector,
+    the memory-bound part of a step: on a CPU the second pass runs only for those samples, on
+    an accelerator for all (choosing them would synchronise with the host at every step). A
+    sample's result does not depend on the others in its batch."""
+    before = torch.linalg.vector_norm(w, dim=1)
+    w = _gram_schmidt_pass(w, previous)
+    norm = torch.linalg.vector_norm(w, dim=1)
+    if w.device.type != "cpu":
+        w = _gram_schmidt_pass(w, previous)
+        return w, torch.linalg.vector_norm(w, dim=1)
+    again = (norm < REPEAT_BELOW * before).nonzero()[:, 0]
+    if again.numel() > 0:
+        w, norm = w.clone(), norm.clone()
+        w[again] = _gram_schmidt_pass(w[again], previous[again])
+        norm[again] = torch.linalg.vector_norm(w[again], dim=1)
+    return w, norm
+
+
+def _gram_schmidt_pass(w: Tensor, previous: Tensor) -> Tensor:
+    """w (B, N) - sum_i (w . p_i) p_i over the rows p_i of previous (B, j, N): row-vector
+    products (1 x N)(N x j) and (1 x j)(j x N), the fastest layout."""
+    coefficients = torch.bmm(w[:, None, :], previous.mT)  # (B, 1, j)
+    return w - torch.bmm(coefficients, previous)[:, 0]
 
 
 def power_iterate(gram: LinearMap, start: Tensor, iterations: int) -> Tensor:

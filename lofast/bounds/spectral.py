@@ -518,7 +518,8 @@ def lanczos_norm(apply: LinearMap, adjoint: LinearMap, start: Tensor, in_shape: 
     ||L_b|| <= sqrt(xi / ((1 - eps)(1 - BREAKDOWN_TOL))) * (1 + ROUNDING_MARGIN), the value
     returned, which equals (1 + relative_slack) sqrt(xi). The BREAKDOWN_TOL factor accounts for
     stopping at a numerical breakdown; ROUNDING_MARGIN for float64 rounding, kept small by full
-    reorthogonalisation (classical Gram-Schmidt, applied twice, against all previous vectors).
+    reorthogonalisation (classical Gram-Schmidt against all previous vectors after each
+    three-term step, repeated where it cancelled most of the vector: ``krylov._reorthogonalise``).
     The recursion runs on A / c^2 for an exact power-of-two c (``_normalised_gram``), which
     changes no ratio above and keeps every intermediate away from underflow and overflow.
 
