@@ -42,7 +42,8 @@
 #      ATTACK_RESTARTS default 2), with its wall time (OUT/attack_default.json; the time in
 #      OUT/log.txt): the attack pass of the GPU issue (ATTACK=10000, within ATTACK_SECONDS,
 #      default 240);
-#      2g. with CHECKPOINTS (files, e.g. a trained 64-token model carried in), for each of
+#      2g. with CHECKPOINTS (files, e.g. checkpoints/candidates/lofast-p4.safetensors, the
+#      trained 64-token candidate), for each of
 #      them and each guarantee of CHECKPOINT_GUARANTEES (default "probabilistic exact"),
 #      benchmarks/bench_certify.py on the first CHECKPOINT_N (default 500) bundled images in
 #      one batch: the per-model proofs (setup_seconds) apart from ms a sample, and the 25
