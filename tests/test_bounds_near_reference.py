@@ -560,3 +560,42 @@ def test_the_lanczos_method_draws_the_references_proofs_too(monkeypatch):
     # with the same seed, gives the same bound
     again = live_block(n, d, h, dh, 1.0, seed=23)
     assert again.reference_norm(LANCZOS, torch.Generator().manual_seed(5)) == bound
+
+
+def test_the_blocks_reference_norms_are_drawn_together_as_each_alone(monkeypatch):
+    # attention_spec.reference_norms: the Lanczos reference norms of several blocks (of one
+    # shape; another shape and a deterministic block beside them) in one run: each equal to the
+    # bit to the one its block draws alone, each an upper bound on its dense ||T_R||; the maps
+    # with a block's own weights per batch item match the dense operators
+    from test_bounds_attention import LANCZOS, SLACK
+
+    n, d, h, dh = 6, 16, 4, 4
+    monkeypatch.setattr(attention_spec, "PROBABILISTIC_REFERENCE_SIZE", n * d)
+    blocks = [live_block(n, d, h, dh, 1.0, seed=s) for s in (31, 32, 33)]
+    other = live_block(n, 2 * d, h, dh, 1.0, seed=34)  # a shape of its own
+    small = live_block(2, d, h, dh, 1.0, seed=35)  # below the size: deterministic
+    assert not small.probabilistic_reference(LANCZOS)
+    together = [live_block(n, d, h, dh, 1.0, seed=s) for s in (31, 32, 33)]
+    alone = [w.reference_norm(LANCZOS, torch.Generator().manual_seed(5)) for w in blocks]
+    attention_spec.reference_norms(together + [other, small], LANCZOS,
+                                   torch.Generator().manual_seed(5))
+    for w, single in zip(together, alone):
+        assert len(w._probabilistic_reference) == 1
+        assert w.reference_norm(LANCZOS, torch.Generator().manual_seed(5)) == single
+        X = patterned_tokens("random", 1, n, d, seed=36)
+        T_R = materialised_operator(X, w, w.reference_probabilities[None])[0]
+        exact = torch.linalg.matrix_norm(T_R, ord=2)
+        assert exact <= single <= exact * (1 + 2 * SLACK)
+    assert len(other._probabilistic_reference) == 1 and not small._probabilistic_reference
+    # the batched maps: item b's own block
+    probs = torch.stack([w.reference_probabilities for w in together])
+    value = torch.stack([w.value.double() for w in together])
+    output = torch.stack([w.output.double() for w in together])
+    apply, adjoint = first_order_maps(probs, value, output, True)
+    G = torch.randn(3, n, d, dtype=F64, generator=torch.Generator().manual_seed(37))
+    for b, w in enumerate(together):
+        lone_apply, lone_adjoint = first_order_maps(probs[b: b + 1], w.value.double(),
+                                                    w.output.double(), True)
+        for batched, lone in ((apply, lone_apply), (adjoint, lone_adjoint)):
+            expected = lone(G[b: b + 1])[0]
+            assert (batched(G)[b] - expected).abs().max() <= 1e-13 * expected.abs().max()

@@ -143,10 +143,10 @@ def test_the_jacobian_slack_trades_radius_for_proofs_and_stays_sound(
     assert not broken.any(), "PGD broke a certified sample"
 
 
-def live_block_of_65_tokens():
-    """A float64 model of one 65-token block of width 48 (patch 4, 2 heads of 24) with position
-    biases and strong live attention, six images and its own predictions as labels."""
-    config = preset("tiny", patch_size=4, depth=1, width=48, position_bias=True)
+def live_block_of_65_tokens(depth=1):
+    """A float64 model of ``depth`` 65-token blocks of width 48 (patch 4, 2 heads of 24) with
+    position biases and strong live attention, six images and its own predictions as labels."""
+    config = preset("tiny", patch_size=4, depth=depth, width=48, position_bias=True)
     model = create_model(config, seed=0).double()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -178,6 +178,35 @@ def test_per_sample_product_norms_by_their_factors_on_65_tokens(monkeypatch):
     assert torch.allclose(radius, formed, rtol=1e-9, atol=0)
     broken = pgd_l2(model, x, y, radius * 0.999, steps=50, restarts=3)
     assert not broken.any(), "PGD broke a certified sample"
+
+
+def test_the_certifier_draws_all_blocks_reference_norms_in_one_run(monkeypatch):
+    """Under a Lanczos method the reference norms of a model's blocks (65 tokens, position
+    biases, the probabilistic reference forced from 65 x 48 coordinates) come from one batched
+    run before the first batch (``VerifiedNorms.prepare``): radii the same to the bit as with
+    each block's norm drawn alone when the walk first needs it."""
+    from lofast.bounds import attention_spec
+    from lofast.certification import certificate
+
+    model, x, y = live_block_of_65_tokens(depth=3)
+    monkeypatch.setattr(attention_spec, "PROBABILISTIC_REFERENCE_SIZE", 65 * 48)
+    settings = CertifySettings(method=SpectralMethod(kind="lanczos"))
+    runs = []
+    original = attention_spec.operator_norm
+
+    def recording(apply, adjoint, shape, batch, *args, **kwargs):
+        runs.append((tuple(shape), batch, "start" in kwargs))
+        return original(apply, adjoint, shape, batch, *args, **kwargs)
+
+    monkeypatch.setattr(attention_spec, "operator_norm", recording)
+    together = Certifier(model, settings).certify(x, y).radius()
+    assert runs[0] == ((65, 48), 3, True)  # the three blocks' ||T_R||, before anything else
+    assert [run for run in runs if run[2]] == [runs[0]]
+    monkeypatch.setattr(certificate.VerifiedNorms, "prepare", lambda self, structure: None)
+    runs.clear()
+    alone = Certifier(model, settings).certify(x, y).radius()
+    assert [run for run in runs if run[2]] == [((65, 48), 1, True)] * 3
+    assert (together > 0).any() and torch.equal(together, alone)
 
 
 @pytest.mark.parametrize("kind", ["verified", "lanczos"])

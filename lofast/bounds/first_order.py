@@ -105,7 +105,8 @@ def within_slack(known: Tensor, estimate: Tensor, f: FirstOrderFactors,
 def first_order_maps(probs: Tensor, value: Tensor, output: Tensor,
                      residual: bool) -> tuple[LinearMap, LinearMap]:
     """T_X(G) = H G + sum_l P_l G Wv_l Wo_l and its adjoint
-    T_X*(Y) = H^T Y + sum_l P_l^T Y Wo_l^T Wv_l^T, on (B, n, d), for probs (B, h, n, n)."""
+    T_X*(Y) = H^T Y + sum_l P_l^T Y Wo_l^T Wv_l^T, on (B, n, d), for probs (B, h, n, n), value
+    (h, d, e) and output (h, e, d), or (B, h, ...) each: a block of its own per batch item."""
 
     def apply(G: Tensor) -> Tensor:
         out = mix_heads(probs, G, value, output)
@@ -404,7 +405,11 @@ def _power_of_two(t: Tensor) -> float:
 
 def mix_heads(probs: Tensor, G: Tensor, first: Tensor, second: Tensor) -> Tensor:
     """sum_l probs_l G first_l second_l: probs (B, h, n, n), G (B, n, d), first (h, d, e),
-    second (h, e, d) -> (B, n, d). The head matrices stay factored (d x e, e x d)."""
+    second (h, e, d), or each (B, h, ...) for maps of their own per batch item -> (B, n, d).
+    The head matrices stay factored (d x e, e x d)."""
+    if first.dim() == 4:
+        mixed = probs @ torch.einsum("bnd,bhde->bhne", G, first)
+        return torch.einsum("bhne,bhef->bnf", mixed, second)
     mixed = probs @ torch.einsum("bnd,hde->bhne", G, first)  # (B, h, n, e)
     return torch.einsum("bhne,hef->bnf", mixed, second)
 

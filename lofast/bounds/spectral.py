@@ -455,12 +455,15 @@ def _scaled_norm(M: Tensor) -> Tensor:
 def operator_norm(apply: LinearMap, adjoint: LinearMap, in_shape: tuple[int, ...], batch: int,
                   method: SpectralMethod, dtype: torch.dtype = torch.float64,
                   device: torch.device | str | None = None,
-                  generator: torch.Generator | None = None) -> Tensor:
+                  generator: torch.Generator | None = None,
+                  start: Tensor | None = None) -> Tensor:
     """Spectral norms ||L_b|| of a batch of linear maps given matrix-free.
 
     ``apply`` maps (B, *in_shape) -> (B, *out_shape) and ``adjoint`` the reverse, both built
     from torch operations (the dense method evaluates them under ``torch.func.vmap``). The
-    iterations run on the smaller side (L^T L or L L^T). Returns (B,) float64:
+    iterations run on the smaller side (L^T L or L L^T), from ``start`` (B, N) unit vectors on
+    that side where given (each drawn uniformly on the sphere, independently of the maps, for
+    the lanczos guarantee), else drawn from ``generator``. Returns (B,) float64:
 
     - dense: exact norm times (1 + ROUNDING_MARGIN), a deterministic upper bound;
     - lanczos: an upper bound with probability >= 1 - failure_probability for each b
@@ -480,7 +483,8 @@ def operator_norm(apply: LinearMap, adjoint: LinearMap, in_shape: tuple[int, ...
     if method.kind in ("dense", "verified"):
         return explicit_norm(_materialise(apply, in_shape, math.prod(out_shape), batch, device),
                              method)
-    start = _random_unit(batch, math.prod(in_shape), device, generator)
+    if start is None:
+        start = random_unit(batch, math.prod(in_shape), device, generator)
     if method.kind == "lanczos":
         return lanczos_norm(apply, adjoint, start, in_shape, method)
     return power_norm(apply, adjoint, start, in_shape, method.power_iterations)
@@ -563,7 +567,7 @@ def _normalised_gram(apply: LinearMap, adjoint: LinearMap, start: Tensor,
     return gram, unit
 
 
-def _random_unit(batch: int, dim: int, device: torch.device,
+def random_unit(batch: int, dim: int, device: torch.device,
                  generator: torch.Generator | None) -> Tensor:
     """(batch, dim) float64 vectors uniform on the unit sphere (normalised Gaussians), drawn on
     the generator's device so that a seeded generator gives the same vectors everywhere."""
