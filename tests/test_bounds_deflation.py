@@ -111,6 +111,7 @@ def test_overwrite_writes_only_the_lower_triangle(fortran):
     diagonal blocks, in either memory order."""
     T, _, _ = operator(70, [3.0, 2.9, 2.8, 2.5, 2.0], seed=4)
     gram, error = gram_with_error(T[None])
+
     def in_order(matrix):
         return matrix.mT.contiguous().mT if fortran else matrix.contiguous()
 

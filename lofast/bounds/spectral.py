@@ -568,7 +568,7 @@ def _normalised_gram(apply: LinearMap, adjoint: LinearMap, start: Tensor,
 
 
 def random_unit(batch: int, dim: int, device: torch.device,
-                 generator: torch.Generator | None) -> Tensor:
+                generator: torch.Generator | None) -> Tensor:
     """(batch, dim) float64 vectors uniform on the unit sphere (normalised Gaussians), drawn on
     the generator's device so that a seeded generator gives the same vectors everywhere."""
     source = generator.device if generator is not None else device
