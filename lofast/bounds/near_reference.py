@@ -382,9 +382,10 @@ def jacobian_working_elements(count: int, data: JacobianData, softmax: bool) -> 
     one sample and ``count`` vectors: the image and the adjoint's output (k n d each), its
     feature-major values twice (k n h dv each) and, with the softmax part, its score tensors
     (k h n^2: once as scores, twice as the adjoint's left factor, or 4 k h dh n for the two
-    halves where it goes by the projections), plus a few tensors of the sample alone (below). The score tensors dominate from a few dozen tokens (at 257 tokens,
-    width 128, 8 heads: 1.7e6 k elements, 26 times k n d), so chunks sized by k n d alone
-    would hold 26 times their workspace."""
+    halves where it goes by the projections), plus a few tensors of the sample alone (below).
+    The score tensors dominate from a few dozen tokens (at 257 tokens, width 128, 8 heads:
+    1.7e6 k elements, 26 times k n d), so chunks sized by k n d alone would hold 26 times
+    their workspace."""
     heads, n, dv, dh = data.shape
     d = data.output.shape[1]
     scores = (heads * n * n + 4 * heads * dh * n if adjoint_by_projections(data)
