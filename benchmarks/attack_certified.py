@@ -4,11 +4,18 @@ attack has teeth). Prints the counts and writes JSON; exits 1 if a certified sam
 
     python benchmarks/attack_certified.py [--checkpoint CKPT] [--data PATH] [--n 200]
         [--guarantee exact] [--steps 100] [--restarts 3] [--beyond 3] [--out attack_certified.json]
-        [--live-attention K [--seed 0] [--spread R]]
+        [--live-attention K [--seed 0] [--spread R]] [--tokens T [--depth 2]]
 
 --live-attention K attacks the checkpoint with attention switched on as in
 ``bench_certify.py --live-attention K`` (``live_attention.py``); --spread R gives Wq and Wk
 singular values spread by the ratio R in place of orthonormal columns.
+
+--tokens T attacks, instead of a checkpoint, a fresh model of ``bench_tokens.py``'s shape with
+T patch tokens (4 / 16 / 64 from 32 x 32 images, 256 from 64 x 64; width 128, 8 heads, position
+biases, depth --depth, seed --seed) on --n images of uniform random pixels (seed 0), each
+labelled by the model's own prediction: the certifier's paths at token counts no shipped model
+has (at 256 tokens the probabilistic guarantee; with --live-attention, its blocks' attention
+switched on as above).
 """
 
 from __future__ import annotations
@@ -17,13 +24,17 @@ import argparse
 import json
 import sys
 
+import torch
+from bench_tokens import SHAPES  # beside this script
 from live_attention import score_spectra, with_live_attention  # beside this script
 
 from lofast.certification.attack import pgd_l2
 from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.checkpoint import default_checkpoint_path, load_checkpoint
+from lofast.config import ModelConfig
 from lofast.data import load_dataset
 from lofast.data.sample import class_balanced_order, load_bundled_sample
+from lofast.models.vit import create_model
 
 
 def main() -> None:
@@ -41,21 +52,40 @@ def main() -> None:
     parser.add_argument("--out", default="attack_certified.json")
     parser.add_argument("--live-attention", type=float, default=None, metavar="K",
                         help="switch attention on: ||A_l|| / s = K in every block")
-    parser.add_argument("--seed", type=int, default=0, help="seed of --live-attention")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --live-attention and of the --tokens model")
     parser.add_argument("--spread", type=float, default=1.0,
                         help="--live-attention with Wq, Wk singular values spread by this ratio")
+    parser.add_argument("--tokens", type=int, default=None, choices=sorted(SHAPES),
+                        help="attack a fresh model with this many patch tokens on random images "
+                             "instead of a checkpoint")
+    parser.add_argument("--depth", type=int, default=2, help="depth of the --tokens model")
     args = parser.parse_args()
+    if args.tokens is not None and (args.checkpoint or args.data or args.depth < 1):
+        parser.error("--tokens attacks a fresh model (--depth >= 1) on random images: no "
+                     "--checkpoint, no --data")
 
-    checkpoint = args.checkpoint or default_checkpoint_path()
-    model = load_checkpoint(checkpoint)
+    if args.tokens is None:
+        checkpoint = args.checkpoint or default_checkpoint_path()
+        model = load_checkpoint(checkpoint)
+    else:
+        size, patch = SHAPES[args.tokens]
+        checkpoint = f"fresh: {args.tokens} tokens, depth {args.depth}, seed {args.seed}"
+        model = create_model(ModelConfig(image_size=size, patch_size=patch, width=128,
+                                         depth=args.depth, heads=8, position_bias=True),
+                             seed=args.seed)
     if args.live_attention is not None:
         try:
             model = with_live_attention(model, args.live_attention, args.seed, args.spread)
         except ValueError as error:
             parser.error(str(error))
     model = model.double().eval()
-    data = load_dataset(args.data, "test") if args.data else load_bundled_sample()
-    x, y = data.subset(class_balanced_order(data.labels)[: args.n]).to_tensors()
+    if args.tokens is None:
+        data = load_dataset(args.data, "test") if args.data else load_bundled_sample()
+        x, y = data.subset(class_balanced_order(data.labels)[: args.n]).to_tensors()
+    else:
+        x = torch.rand(args.n, 3, size, size, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            y = model(x.double()).argmax(dim=1)
     settings = CertifySettings(guarantee=args.guarantee)
     certificate = Certifier(model, settings).certify(x, y)
     radius = certificate.radius()
@@ -63,8 +93,9 @@ def main() -> None:
     xs, ys, rs = x[chosen].double(), y[chosen], radius[chosen]
     inside = pgd_l2(model, xs, ys, 0.999 * rs, steps=args.steps, restarts=args.restarts)
     outside = pgd_l2(model, xs, ys, args.beyond * rs, steps=args.steps, restarts=args.restarts)
-    report = {"checkpoint": str(checkpoint), "live_attention": args.live_attention,
-              "seed": args.seed if args.live_attention is not None else None,
+    report = {"checkpoint": str(checkpoint), "tokens": args.tokens,
+              "live_attention": args.live_attention,
+              "seed": args.seed if args.live_attention is not None or args.tokens else None,
               "spread": args.spread if args.live_attention is not None else None,
               "score_spectra": score_spectra(model),
               "guarantee": args.guarantee, "images": len(y),
