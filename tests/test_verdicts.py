@@ -107,6 +107,27 @@ def test_the_attack_runs_on_the_runs_device(trained, monkeypatch):
     assert len(copies) >= 2 and all(isinstance(d, torch.device) and d == run_device
                                     for d in copies), copies
 
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                         reason="needs a GPU"))])
+def test_both_attacks_take_host_labels_of_any_integer_type(trained, device):
+    """Labels built on the host (as the pipeline's from its records) and of a narrower integer
+    type than int64 attack images on the run's device alike, with the same verdicts as int64
+    labels beside them (a GPU run of `certify --attack` once failed on the host labels)."""
+    from lofast.certification.attack import minimum_norm_attack
+
+    model, x, y = trained
+    model = copy.deepcopy(model).double().to(device)
+    images = x[:6].double().to(device)
+    narrow = y[:6].to(torch.int32)  # on the host
+    reference = y[:6].to(device)
+    for attack in (lambda labels: pgd_attack(model, images, labels, 0.5, steps=5, restarts=1),
+                   lambda labels: minimum_norm_attack(model, images, labels, steps=5)):
+        got, expected = attack(narrow), attack(reference)
+        assert torch.equal(got.found, expected.found)
+        assert torch.equal(got.adversarial_class, expected.adversarial_class)
+
 def test_attack_takes_the_exact_caps_once(trained, monkeypatch):
     """A ViT under attack computes its exact caps (an SVD each) once for the whole attack, not
     in each of its forward passes, and nothing stays held afterwards."""

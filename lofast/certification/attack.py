@@ -53,6 +53,7 @@ def pgd_attack(model: nn.Module, x: Tensor, y: Tensor, eps: float | Tensor, step
     part seeded by seed + its number)."""
     if restarts < 1:
         raise ValueError(f"the attack needs at least one restart, not {restarts}")
+    y = y.to(x.device, torch.long)  # labels from anywhere: a list's tensor lives on the host
     model.eval()
     # a LipschitzViT computes its exact caps (an SVD per capped weight) once for the attack,
     # not in every one of its forward passes
@@ -156,6 +157,7 @@ def minimum_norm_attack(model: nn.Module, x: Tensor, y: Tensor, steps: int = 100
     """
     if steps < 1:
         raise ValueError(f"the attack needs at least one step, not {steps}")
+    y = y.to(x.device, torch.long)
     model.eval()
     holding = getattr(model, "reusing_effective_weights", contextlib.nullcontext)
     if start_norm is not None:
