@@ -1,21 +1,24 @@
-"""Forward-pass cost of a loaded model against a plain ViT of the same shape: inference pays no
-SVD per call once the model's exact spectral caps are computed.
+"""Forward-pass cost of a loaded model against a plain ViT of the same shape: inference and
+attacks pay no SVD per call once the model's exact spectral caps are computed.
 
     python benchmarks/bench_forward.py [--checkpoint CKPT] [--batch 100] [--repeats 20]
         [--device auto] [--out bench_forward.json]
 
-The loaded model (``lofast.load_model``, eval mode, no autograd) computes its caps on its first
-call and keeps them while its weights stay unchanged. The plain ViT is torch's own encoder
-(``nn.TransformerEncoder``: pre-norm layers with the model's width, heads, depth and MLP width,
-GELU, LayerNorm, no dropout) behind a patch convolution of the same patch size, a class token,
-position embeddings and a mean-pooled linear head, with random weights. Both run in float32 on
-random images. Prints ms per batch of the model's first call, of its later calls and of the
-plain ViT, and the ratio later / plain; writes JSON.
+The loaded model (``lofast.load_model``, eval mode, its parameters requiring gradients as
+loaded) computes its caps on its first call and keeps them while its weights stay unchanged.
+The plain ViT is torch's own encoder (``nn.TransformerEncoder``: pre-norm layers with the
+model's width, heads, depth and MLP width, GELU, LayerNorm, no dropout) behind a patch
+convolution of the same patch size, a class token, position embeddings and a mean-pooled
+linear head, with random weights. Both run in float32 on random images, two ways: inference
+(``torch.no_grad``) and an attack's step (forward pass and the gradient of the summed top
+logit with respect to the images). Prints ms per batch of the model's first call, of its later
+calls and of the plain ViT, and the ratio later / plain for each; writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 
@@ -59,22 +62,32 @@ def main() -> None:
     parser.add_argument("--out", default="bench_forward.json")
     args = parser.parse_args()
     device = resolve_device(args.device)
-    model = load_checkpoint(args.checkpoint or default_checkpoint_path()).to(device).eval()
-    config = model.config
+    def loaded() -> nn.Module:
+        return load_checkpoint(args.checkpoint or default_checkpoint_path()).to(device).eval()
+
+    config = loaded().config
     plain = PlainViT(config).to(device).eval()
     images = torch.rand(args.batch, config.channels, config.image_size, config.image_size,
                         generator=torch.Generator().manual_seed(0)).to(device)
-    first = timed(lambda: model(images), device)[1]  # computes and keeps the caps
-    timed(lambda: plain(images), device)[1]  # warm-up
-    later = timed(lambda: model(images), device, args.repeats)[1]
-    baseline = timed(lambda: plain(images), device, args.repeats)[1]
+
+    def attack_step(net: nn.Module) -> torch.Tensor:
+        x = images.clone().requires_grad_(True)
+        return torch.autograd.grad(net(x).max(dim=1).values.sum(), x)[0]
+
     report = {"device": str(device), "cpu": platform.processor() or platform.machine(),
-              "threads": torch.get_num_threads(), "batch": args.batch, "model": config.to_json(),
-              "first_call_ms": 1e3 * first, "later_calls_ms": 1e3 * later,
-              "plain_vit_ms": 1e3 * baseline, "ratio": later / baseline}
-    print(f"batch {args.batch} on {device} ({torch.get_num_threads()} threads): first call "
-          f"{1e3 * first:.1f} ms, later calls {1e3 * later:.1f} ms, plain ViT of the same shape "
-          f"{1e3 * baseline:.1f} ms: ratio {later / baseline:.2f}")
+              "threads": torch.get_num_threads(), "batch": args.batch, "model": config.to_json()}
+    for name, run in (("inference", torch.no_grad()(lambda net: net(images))),
+                      ("attack_step", attack_step)):
+        model = loaded()  # each way from a fresh load: nothing kept yet
+        first = timed(functools.partial(run, model), device)[1]  # computes, keeps the caps
+        timed(functools.partial(run, plain), device)  # warm-up
+        later = timed(functools.partial(run, model), device, args.repeats)[1]
+        baseline = timed(functools.partial(run, plain), device, args.repeats)[1]
+        report[name] = {"first_call_ms": 1e3 * first, "later_calls_ms": 1e3 * later,
+                        "plain_vit_ms": 1e3 * baseline, "ratio": later / baseline}
+        print(f"{name}, batch {args.batch} on {device} ({torch.get_num_threads()} threads): "
+              f"first call {1e3 * first:.1f} ms, later calls {1e3 * later:.1f} ms, plain ViT "
+              f"of the same shape {1e3 * baseline:.1f} ms: ratio {later / baseline:.2f}")
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {args.out}")

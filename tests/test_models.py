@@ -535,12 +535,79 @@ def test_an_eval_model_keeps_its_sll_rescaling_until_a_weight_changes(monkeypatc
         assert torch.equal(model(x), first) and len(calls) == len(sll)
         sll[0].weight[:, 0].mul_(0.5)  # in place, one unit's weights: t changes with it
         assert not torch.equal(model(x), first) and len(calls) == len(sll) + 1
-    model(x).sum().backward()  # gradients recorded: computed afresh, differentiable
+    model(x).sum().backward()  # the kept t in the forward pass, t again for its gradient
     assert len(calls) == 2 * len(sll) + 1 and sll[0].weight.grad is not None
     model.train()
     with torch.no_grad():
         model(x)
     assert len(calls) == 3 * len(sll) + 1
+
+
+def _kept_values_bypassed(monkeypatch):
+    """Every derived quantity computed afresh, in the graph, as in a model that keeps none."""
+    from lofast.models import layers
+
+    monkeypatch.setattr(layers.KeepsWhileFrozen, "_kept", lambda self, name, compute: compute())
+
+
+def test_gradients_through_kept_values_equal_those_of_a_fresh_graph(monkeypatch):
+    """An eval-mode model with gradients recorded reuses its kept caps and rescalings in the
+    forward pass; the input's and every parameter's gradient (and a second derivative) equal
+    those of the quantities computed afresh in the graph, in float64."""
+    model = create_model(preset("tiny", num_classes=4, position_bias=True), seed=0)
+    model = model.double().eval()
+    x = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0),
+                   dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    params = [p for p in model.parameters()]
+
+    def gradients():
+        with torch.no_grad():
+            model(x)  # keeps every derived quantity (a no-op where nothing is kept)
+        loss = (model(x) * weights).sum()
+        grads = torch.autograd.grad(loss, [x, *params], create_graph=True)
+        second, = torch.autograd.grad(sum(g.square().sum() for g in grads[1:]), x)
+        return [g.detach() for g in grads], second
+
+    kept, kept_second = gradients()
+    with monkeypatch.context() as patch:
+        _kept_values_bypassed(patch)
+        fresh, fresh_second = gradients()
+    assert len(kept) == len(params) + 1
+    for a, b in zip(kept, fresh):
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-12)
+    assert torch.allclose(kept_second, fresh_second, rtol=1e-9, atol=1e-12)
+    assert kept_second.abs().max() > 0
+
+
+def test_an_input_gradient_of_an_eval_model_pays_no_svd(monkeypatch):
+    """An attack's gradient with respect to the input (parameters requiring gradients, as
+    loaded) reuses the kept caps and rescalings: no SVD and no Gram matrix after the first
+    pass; a backward pass into the weights computes them once more, for their gradients; an
+    in-place change of a weight between the forward and the backward pass fails loudly."""
+    from lofast.models import layers
+
+    model = create_model(preset("tiny", num_classes=4), seed=0).eval()
+    x = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    model(x)  # keeps them
+    calls = []
+    original_norm, original_rescaling = layers.spectral_norm, layers.SLL._rescaling_now
+    monkeypatch.setattr(layers, "spectral_norm", lambda *a, **k: (
+        calls.append("svd"), original_norm(*a, **k))[1])
+    monkeypatch.setattr(layers.SLL, "_rescaling_now",
+                        lambda self: calls.append("gram") or original_rescaling(self))
+    for _ in range(3):
+        grad, = torch.autograd.grad(model(x).max(dim=1).values.sum(), x)
+        assert grad.abs().max() > 0
+    assert calls == []
+    model(x).sum().backward()
+    assert "svd" in calls and "gram" in calls
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    out = model(x).sum()
+    with torch.no_grad():
+        model.stages[0].weight.mul_(0.5)  # the patch embedding's raw weight, under a cap
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
 
 
 def test_a_frozen_copy_keeps_its_held_weights_through_a_reusing_block(monkeypatch):

@@ -115,25 +115,63 @@ def _spec_tensor(t: Tensor, differentiable: bool) -> Tensor:
 
 
 class KeepsWhileFrozen:
-    """A module's derived quantities (capped weights, SLL rescaling) kept while its tensors
-    cannot change: a module in eval mode that records no gradient for its parameters
-    (inference, ``torch.no_grad``, parameters that do not require one) computes each once and
-    keeps it until a parameter or buffer changes (in place, replaced, or moved). A loaded model
-    pays its SVDs and Gram matrices on the first forward pass only."""
+    """A module's derived quantities (capped weights, SLL rescaling) kept while its tensors do
+    not change: a module in eval mode computes each once and keeps it until a parameter or
+    buffer changes (in place, replaced, or moved). A loaded model pays its SVDs and Gram
+    matrices on the first forward pass only, with or without autograd: where gradients are
+    recorded, the kept value takes part in the graph through ``_KeptValue``, which recomputes
+    it only if a backward pass asks for the module's own gradients (an attack's gradient with
+    respect to the input never does)."""
 
     def _kept(self, name: str, compute):
-        """compute(), or its value kept from an earlier call while the tensors are unchanged."""
+        """compute(), or its value kept from an earlier call while the tensors are unchanged;
+        a Tensor or a dict of them."""
         if self.training:
             return compute()
         tensors = [*self.parameters(), *self.buffers()]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return compute()
         # every in-place change bumps a tensor's version; a new tensor has a new address
         key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
         kept = self.__dict__.setdefault("_kept_values", {})
         if name not in kept or kept[name][0] != key:
-            kept[name] = (key, compute())
-        return kept[name][1]
+            with torch.no_grad():
+                kept[name] = (key, compute())
+        value = kept[name][1]
+        differentiable = [t for t in tensors if t.requires_grad]
+        if not (torch.is_grad_enabled() and differentiable):
+            return value
+        names = sorted(value) if isinstance(value, dict) else None
+        leaves = [value[n] for n in names] if names is not None else [value]
+        out = _KeptValue.apply(compute, names, len(differentiable), *differentiable, *leaves)
+        return dict(zip(names, out)) if names is not None else out[0]
+
+
+class _KeptValue(torch.autograd.Function):
+    """Kept values as they are in the forward pass; their gradient with respect to the module's
+    tensors (the inputs) by recomputing them with autograd, only when a backward pass reaches
+    them. The inputs are saved, so a backward pass after an in-place change of one of them
+    fails (autograd's version check) instead of differentiating other weights."""
+
+    @staticmethod
+    def forward(ctx, compute, names, count, *inputs_and_leaves):
+        ctx.compute, ctx.names, ctx.inputs = compute, names, inputs_and_leaves[:count]
+        ctx.save_for_backward(*ctx.inputs)  # for the version check only
+        return tuple(leaf.view_as(leaf) for leaf in inputs_and_leaves[count:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.saved_tensors  # noqa: B018  (raises if an input changed in place since the forward)
+        inputs = ctx.inputs
+        create_graph = torch.is_grad_enabled()  # a double backward differentiates this too
+        with torch.enable_grad():
+            value = ctx.compute()
+        leaves = [value[n] for n in ctx.names] if ctx.names is not None else [value]
+        pairs = [(leaf, g) for leaf, g in zip(leaves, grads)
+                 if g is not None and leaf.requires_grad]
+        input_grads = torch.autograd.grad([leaf for leaf, _ in pairs], inputs,
+                                          [g for _, g in pairs], allow_unused=True,
+                                          create_graph=create_graph) if pairs else \
+            [None] * len(inputs)
+        return (None, None, None, *input_grads, *[None] * len(leaves))
 
 
 class HoldsCappedWeights(KeepsWhileFrozen):
