@@ -2,7 +2,7 @@
 
     python benchmarks/bench_tokens.py [--tokens 4,16,64] [--guarantees exact,probabilistic]
         [--models 2] [--depth 3] [--small 4] [--large 12] [--position-bias] [--device auto]
-        [--out bench_tokens.json]
+        [--profile ROWS] [--out bench_tokens.json]
 
 The models are fresh Lipschitz ViTs of width 128, depth --depth and 8 heads, with live attention
 as initialised. They cut 4 / 16 / 64 patch tokens from 32 x 32 images (patch 16 / 8 / 4), and 256
@@ -17,6 +17,10 @@ makes its per-model proofs, and then all --large of them:
 On a GPU a small model is certified once, untimed, before the first row, so that no row pays
 the device libraries' start-up.
 
+--profile ROWS adds, to each row, torch.profiler's table of one more certification of the
+--large images by the last model's Certifier (its proofs made): the ROWS operators with the
+most time of their own (device time on a GPU), grouped by input shape.
+
 The growth exponent is the least-squares slope of log(ms a sample) on log(tokens) over the
 shapes run. On a GPU each row also gives the peak device memory of its runs (PyTorch's
 allocator). Prints a table and writes JSON; radii are not compared (``bench_certify.py``).
@@ -30,7 +34,7 @@ import math
 import platform
 
 import torch
-from measure import timed  # beside this script
+from measure import profile_table, timed  # beside this script
 
 from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.config import ModelConfig
@@ -63,9 +67,14 @@ def measure(tokens: int, guarantee: str, args: argparse.Namespace,
         per_sample.append(sample)
         once.append(max(small - args.small * sample, 0.0))
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+    profile = None
+    if args.profile:
+        table, sort = profile_table(device, lambda: certifier.certify(images, labels),
+                                    rows=args.profile, shapes=True)
+        profile = f"one certification of {args.large} images, sorted by {sort}\n{table}"
     return {"tokens": tokens, "image_size": size, "patch_size": patch, "guarantee": guarantee,
             "ms_per_sample": 1e3 * sum(per_sample) / len(per_sample),
-            "once_per_model_s": sum(once) / len(once), "peak_gib": peak}
+            "once_per_model_s": sum(once) / len(once), "peak_gib": peak, "profile": profile}
 
 
 def growth_exponent(rows: list[dict]) -> float | None:
@@ -92,13 +101,16 @@ def main() -> None:
     parser.add_argument("--position-bias", action="store_true",
                         help="models with position biases (the shipped models' kind)")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                        help="add each row's profile table of ROWS operators")
     parser.add_argument("--out", default="bench_tokens.json")
     args = parser.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     if any(t not in SHAPES for t in tokens):
         parser.error(f"--tokens takes counts from {sorted(SHAPES)}")
-    if not 1 <= args.small < args.large or args.models < 1 or args.depth < 1:
-        parser.error("need --models >= 1, --depth >= 1 and 1 <= --small < --large")
+    if not 1 <= args.small < args.large or args.models < 1 or args.depth < 1 or args.profile < 0:
+        parser.error("need --models >= 1, --depth >= 1, --profile >= 0 and 1 <= --small < "
+                     "--large")
     device = resolve_device(args.device)
     guarantees = args.guarantees.split(",")
     if device.type == "cuda":  # the device libraries' start-up, paid by no row
@@ -119,6 +131,8 @@ def main() -> None:
                   f"{row['ms_per_sample']:.1f} | {row['once_per_model_s']:.2f} | "
                   + ("-" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}") + " |",
                   flush=True)
+            if row["profile"]:
+                print(row["profile"], flush=True)
     exponents = {g: growth_exponent([r for r in rows if r["guarantee"] == g])
                  for g in guarantees}
     for g, e in exponents.items():

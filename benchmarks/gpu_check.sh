@@ -29,7 +29,8 @@
 #      2c. with TOKENS (e.g. "64 256"), benchmarks/bench_tokens.py at those token counts:
 #      fresh width-128 models of depth TOKENS_DEPTH (default 6) with position biases, both
 #      guarantees, ms a sample, once-per-model seconds and peak device memory, within
-#      TOKENS_SECONDS (default 300; OUT/bench_tokens.json). The 64- and 256-token figures
+#      TOKENS_SECONDS (default 300; OUT/bench_tokens.json), with TOKENS_ARGS (more options of
+#      bench_tokens.py, e.g. "--large 48 --profile 25"). The 64- and 256-token figures
 #      alone: `TOKENS="64 256" PASS_SECONDS=0 BENCH_BATCHES= COMPILE= bash ... DATA OUT`;
 #      2d. with LIVE=K, benchmarks/bench_certify.py on the default with live attention K
 #      (`--live-attention K`, the shape of the ||A_l|| / s = K models the CPU figures use):
@@ -74,8 +75,8 @@
 #
 # Each step runs whatever became of the one before; everything printed goes to OUT/log.txt.
 # Environment: DEVICE (default cuda), BENCH_BATCHES (set but empty: no step 1), BENCH_ARGS
-# (more options of bench_train.py), COMPILE, TOKENS, TOKENS_DEPTH, TOKENS_SECONDS, LIVE,
-# LIVE_N, LIVE_BATCH, FORWARD, ATTACK, ATTACK_STEPS, ATTACK_RESTARTS, ATTACK_SECONDS,
+# (more options of bench_train.py), COMPILE, TOKENS, TOKENS_DEPTH, TOKENS_SECONDS, TOKENS_ARGS,
+# LIVE, LIVE_N, LIVE_BATCH, FORWARD, ATTACK, ATTACK_STEPS, ATTACK_RESTARTS, ATTACK_SECONDS,
 # CHECKPOINTS, CHECKPOINT_GUARANTEES, CHECKPOINT_N, CHECKPOINT_SECONDS, NORMS, LR (the
 # recipe's learning rate, default 2e-3; a CPU ablation favoured 1.6e-2 to 3.2e-2), BATCH (its
 # batch size, default 250; 1000 also divides the training set, 4.1x the images/s eager), LIMIT
@@ -151,10 +152,11 @@ fi
 read -r -a token_counts <<< "${TOKENS-}"  # e.g. "64 256"; unset or empty: skipped
 if [ ${#token_counts[@]} -gt 0 ]; then
     echo "== 2c. the certifier against the token count ($(elapsed) s)"
+    # shellcheck disable=SC2086  # TOKENS_ARGS is a list of options
     timeout "${TOKENS_SECONDS:-300}" python3 benchmarks/bench_tokens.py \
         --tokens "$(IFS=,; echo "${token_counts[*]}")" --guarantees exact,probabilistic \
         --position-bias --models 1 --depth "${TOKENS_DEPTH:-6}" --device "$device" \
-        --out "$out/bench_tokens.json" || echo "bench_tokens: exit $?"
+        ${TOKENS_ARGS:-} --out "$out/bench_tokens.json" || echo "bench_tokens: exit $?"
 fi
 
 if [ -n "${LIVE:-}" ]; then
