@@ -100,16 +100,14 @@ def _reorthogonalise(w: Tensor, previous: Tensor) -> tuple[Tensor, Tensor]:
     norm (B,): classical Gram-Schmidt, applied a second time to the samples whose first pass
     left less than REPEAT_BELOW of their norm: so much cancelled that the pass's rounding may
     leave w out of orthogonality (Daniel, Gragg, Kaufman & Stewart 1976; after the three-term
-    step that happens only near an invariant subspace). Each pass reads every earlier vector,
-    the memory-bound part of a step: on a CPU the second pass runs only for those samples, on
-    an accelerator for all (choosing them would synchronise with the host at every step). A
-    sample's result does not depend on the others in its batch."""
+    step that happens only near an invariant subspace: 4 of 3,448 steps at 257 tokens). Each
+    pass reads every earlier vector, the memory-bound part of a step, so the second runs only
+    for those samples, on an accelerator too: choosing them waits for the device once a step,
+    far less than a pass over a chunk's basis (hundreds of MB at 257 tokens) takes. A sample's
+    result does not depend on the others in its batch."""
     before = torch.linalg.vector_norm(w, dim=1)
     w = _gram_schmidt_pass(w, previous)
     norm = torch.linalg.vector_norm(w, dim=1)
-    if w.device.type != "cpu":
-        w = _gram_schmidt_pass(w, previous)
-        return w, torch.linalg.vector_norm(w, dim=1)
     again = (norm < REPEAT_BELOW * before).nonzero()[:, 0]
     if again.numel() > 0:
         w, norm = w.clone(), norm.clone()
