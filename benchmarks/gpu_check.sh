@@ -55,6 +55,10 @@
 #      accelerator takes above 32 x 32 and by the factors' r x r problems, Lanczos
 #      tridiagonals' top eigenvalues on the device and the host, and the 288 x 288 deflation
 #      eigensolver by the default backend and MAGMA (OUT/bench_small_norms.json);
+#      2i. with TESTS (pytest arguments, e.g. "-m integration"), the test suite on the device,
+#      whose `auto` device is then the GPU (OUT/tests.txt, within TESTS_SECONDS, default 240;
+#      pytest and pytest-xdist from runs/pylib, `pip install --target runs/pylib pytest
+#      pytest-xdist` carried in, where the device lacks them);
 #   3. lofast train with TRAIN_ARGS until PASS_SECONDS (default 520) after the start of the
 #      pass (none when less than a minute of it is left: PASS_SECONDS=0 gives the figures
 #      only), resumed from STATE when given (OUT/train.safetensors, and its .state.pt for the
@@ -77,10 +81,11 @@
 # Environment: DEVICE (default cuda), BENCH_BATCHES (set but empty: no step 1), BENCH_ARGS
 # (more options of bench_train.py), COMPILE, TOKENS, TOKENS_DEPTH, TOKENS_SECONDS, TOKENS_ARGS,
 # LIVE, LIVE_N, LIVE_BATCH, FORWARD, ATTACK, ATTACK_STEPS, ATTACK_RESTARTS, ATTACK_SECONDS,
-# CHECKPOINTS, CHECKPOINT_GUARANTEES, CHECKPOINT_N, CHECKPOINT_SECONDS, NORMS, LR (the
-# recipe's learning rate, default 2e-3; a CPU ablation favoured 1.6e-2 to 3.2e-2), BATCH (its
-# batch size, default 250; 1000 also divides the training set, 4.1x the images/s eager), LIMIT
-# (certify only the first LIMIT test images; default all), PASS_SECONDS, TRAIN_ARGS, INIT, EPOCHS, PART_MIB (default 15). With DEVICE=cpu
+# CHECKPOINTS, CHECKPOINT_GUARANTEES, CHECKPOINT_N, CHECKPOINT_SECONDS, NORMS, TESTS,
+# TESTS_SECONDS, LR (the recipe's learning rate, default 2e-3; a CPU ablation favoured 1.6e-2
+# to 3.2e-2), BATCH (its batch size, default 250; 1000 also divides the training set, 4.1x the
+# images/s eager), LIMIT (certify only the first LIMIT test images; default all),
+# PASS_SECONDS, TRAIN_ARGS, INIT, EPOCHS, PART_MIB (default 15). With DEVICE=cpu
 # and a small LIMIT and PASS_SECONDS it runs anywhere, which is how it is tested. Needs python3
 # with torch and lofast's dependencies; lofast itself is taken from this checkout.
 set -uo pipefail
@@ -199,6 +204,19 @@ if [ -n "${NORMS:-}" ]; then
     echo "== 2h. per-sample matrix norms: eigensolver, proof and factors ($(elapsed) s)"
     timeout 90 python3 benchmarks/bench_small_norms.py --device "$device" --batch 256 \
         --out "$out/bench_small_norms.json" || echo "bench_small_norms: exit $?"
+fi
+
+if [ -n "${TESTS:-}" ]; then
+    echo "== 2i. the test suite on the device: pytest $TESTS ($(elapsed) s)"
+    # the tests' `auto` device is the GPU here: the paths CI (CPU only) never takes; pytest
+    # and pytest-xdist from runs/pylib (pip install --target) where the device has none
+    if ! python3 -c "import pytest, xdist" 2>/dev/null; then
+        export PYTHONPATH="$PYTHONPATH:$PWD/runs/pylib"
+    fi
+    # shellcheck disable=SC2086  # TESTS is a list of pytest arguments
+    timeout "${TESTS_SECONDS:-240}" python3 -m pytest -q -p no:cacheprovider -n 8 $TESTS \
+        > "$out/tests.txt" 2>&1 || echo "pytest: exit $?"
+    tail -15 "$out/tests.txt"
 fi
 
 if [ "$pass_seconds" -le $(($(elapsed) + 60)) ]; then  # PASS_SECONDS=0: the figures only
