@@ -610,6 +610,20 @@ def test_an_input_gradient_of_an_eval_model_pays_no_svd(monkeypatch):
         out.backward()
 
 
+def test_torch_func_transforms_take_an_eval_model_with_kept_values():
+    """torch.func's jacrev and vmap over a loaded (eval-mode) model, whose caps and rescalings
+    are kept: the input Jacobian equals autograd's row by row, vmap the batched forward pass."""
+    model = create_model(preset("tiny", num_classes=4), seed=0).double().eval()
+    x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    model(x)  # keeps them
+    jacobian = torch.func.jacrev(lambda z: model(z[None])[0])(x[0])
+    single = x[:1].clone().requires_grad_(True)
+    rows = torch.stack([torch.autograd.grad(model(single)[0, c], single)[0][0]
+                        for c in range(4)])
+    assert torch.allclose(jacobian, rows, rtol=1e-10, atol=1e-13)
+    assert torch.allclose(torch.func.vmap(lambda z: model(z[None])[0])(x), model(x))
+
+
 def test_a_frozen_copy_keeps_its_held_weights_through_a_reusing_block(monkeypatch):
     """An attack's ``reusing_effective_weights`` inside a ``frozen_float64`` copy reuses the
     copy's held weights: no SVD, and nothing released when the block ends."""

@@ -151,11 +151,17 @@ class _KeptValue(torch.autograd.Function):
     them. The inputs are saved, so a backward pass after an in-place change of one of them
     fails (autograd's version check) instead of differentiating other weights."""
 
+    generate_vmap_rule = True  # torch.func's transforms (vmap, jacrev) take it as it is
+
     @staticmethod
-    def forward(ctx, compute, names, count, *inputs_and_leaves):
-        ctx.compute, ctx.names, ctx.inputs = compute, names, inputs_and_leaves[:count]
-        ctx.save_for_backward(*ctx.inputs)  # for the version check only
+    def forward(compute, names, count, *inputs_and_leaves):
         return tuple(leaf.view_as(leaf) for leaf in inputs_and_leaves[count:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        compute, names, count, *inputs_and_leaves = inputs
+        ctx.compute, ctx.names, ctx.inputs = compute, names, tuple(inputs_and_leaves[:count])
+        ctx.save_for_backward(*ctx.inputs)  # for the version check only
 
     @staticmethod
     def backward(ctx, *grads):
