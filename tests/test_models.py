@@ -582,8 +582,8 @@ def test_gradients_through_kept_values_equal_those_of_a_fresh_graph(monkeypatch)
 
 def test_an_input_gradient_of_an_eval_model_pays_no_svd(monkeypatch):
     """An attack's gradient with respect to the input (parameters requiring gradients, as
-    loaded) reuses the kept caps and rescalings: no SVD and no Gram matrix after the first
-    pass; a backward pass into the weights computes them once more, for their gradients; an
+    loaded) reuses the kept caps and rescalings, held or not: no SVD and no Gram matrix after
+    the first pass; a backward pass into the weights computes them once more, for their gradients; an
     in-place change of a weight between the forward and the backward pass fails loudly."""
     from lofast.models import layers
 
@@ -599,6 +599,10 @@ def test_an_input_gradient_of_an_eval_model_pays_no_svd(monkeypatch):
     for _ in range(3):
         grad, = torch.autograd.grad(model(x).max(dim=1).values.sum(), x)
         assert grad.abs().max() > 0
+    with model.reusing_effective_weights():  # as the attacks hold them: the kept ones
+        for _ in range(2):
+            held, = torch.autograd.grad(model(x).max(dim=1).values.sum(), x)
+    assert torch.equal(held, grad)
     assert calls == []
     model(x).sum().backward()
     assert "svd" in calls and "gram" in calls

@@ -191,7 +191,11 @@ class HoldsCappedWeights(KeepsWhileFrozen):
 
     def hold_effective_weights(self, hold: bool,
                                given: Mapping[str, Tensor] | None = None) -> None:
-        self.held = self._capped(given) if hold else None
+        """hold=True: from now on the given capped weights, else the current effective ones
+        (in eval mode the kept ones: an attack's hold on a loaded model pays no SVD)."""
+        self.held = None
+        if hold:
+            self.held = self._capped(given) if given is not None else self._effective()
 
     def _effective(self):
         """The effective weights now: held, kept (above), or computed afresh."""
