@@ -91,6 +91,13 @@ def is_out_of_memory(error: BaseException) -> bool:
         text in full for text in ("out of memory", "can't allocate memory"))
 
 
+def release_cached_memory(device: torch.device) -> None:
+    """Hand the blocks PyTorch's caching allocator holds back to the device (after running out
+    of memory, before trying again with less); nothing to do on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _proc_kib(path: str, field: str) -> int | None:
     """Bytes given by a 'Field:  N kB' line of a Linux /proc file, or None."""
     try:

@@ -13,9 +13,10 @@ import pytest
 import lofast
 from lofast.bounds.spectral import Guarantee, SpectralMethod
 from lofast.certification.certificate import Certifier, CertifySettings
+from lofast.certification.pipeline import RunProgress
 from lofast.cli.certify_cmd import certify as certify_command
 from lofast.config import CERTIFY_DEFAULTS, GUARANTEE_CHOICES, GUARANTEES
-from lofast.errors import CertificationError
+from lofast.errors import CertificationError, LofastError
 
 
 def test_import_lofast_and_help_do_not_import_torch():
@@ -72,6 +73,49 @@ def test_api_takes_models_and_data_sets(one_thread, checkpoint, data_dir):
     assert [r.radius for r in from_paths.records] == [r.radius for r in from_objects.records]
     assert from_paths.summary.samples == 4
     assert len(lofast.load_data()) == 500  # the bundled sample
+
+
+def _out_of_memory_above(limit, monkeypatch):
+    """Certifier.certify raising the allocator's error for batches above ``limit`` images
+    (as CUDA's caching allocator does for a batch too large); returns the sizes asked for."""
+    import torch
+
+    asked, original = [], Certifier.certify
+
+    def certify(self, images, labels):
+        asked.append(len(images))
+        if len(images) > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return original(self, images, labels)
+
+    monkeypatch.setattr(Certifier, "certify", certify)
+    return asked
+
+
+def test_a_batch_without_memory_is_certified_in_halves(one_thread, checkpoint, data_dir,
+                                                       monkeypatch):
+    """Out of memory at a batch of 8: the run goes on at 4 (said once), then keeps 4 for the
+    rest, and its records equal a run's that fit; a lone sample without memory is one
+    LofastError, not a traceback."""
+    expected = lofast.certify(checkpoint, data_dir, eps=0.1, n=11, dataset="folder",
+                              batch_size=16)
+    asked = _out_of_memory_above(4, monkeypatch)
+    notes = []
+
+    class Notes(RunProgress):
+        def note(self, text):
+            notes.append(text)
+
+    got = lofast.certify(checkpoint, data_dir, eps=0.1, n=11, dataset="folder", batch_size=8,
+                         progress=Notes())
+    assert asked == [8, 4, 4, 3]
+    assert len(notes) == 1 and "at a batch of 8: certifying 4 at a time" in notes[0]
+    assert [r.index for r in got.records] == [r.index for r in expected.records]
+    assert [r.radius for r in got.records] == [r.radius for r in expected.records]
+    monkeypatch.undo()
+    _out_of_memory_above(0, monkeypatch)
+    with pytest.raises(LofastError, match="out of memory on cpu certifying a single sample"):
+        lofast.certify(checkpoint, data_dir, eps=0.1, n=3, dataset="folder", batch_size=2)
 
 
 # Arguments the API must refuse as the command line does, before any work (ConfigError, one of

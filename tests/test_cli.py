@@ -546,3 +546,33 @@ def test_a_failing_compiled_step_is_one_clear_error(data_dir, monkeypatch):
                                           r"error: operation failed .*capture\); train without"):
         train(model, train_set.images, train_set.labels, train_set.images[:4],
               train_set.labels[:4], config, torch.device("cpu"), compile_mode="cudagraphs")
+
+
+def test_running_out_of_memory_is_one_line(checkpoint, data_dir, tmp_path, monkeypatch):
+    """The allocator's error anywhere in a command (training, a report, an attack) is one line
+    that says what to do, exit code 1, no traceback; a certify run that runs out of memory
+    for a lone sample says so; any other exception still propagates (a bug, not the user's)."""
+    import torch
+
+    from lofast.certification import certificate, pipeline
+    from lofast.training import pipeline as training
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB (GPU 0)")
+
+    runner = CliRunner()
+    monkeypatch.setattr(training, "run_train", out_of_memory)
+    result = runner.invoke(cli, ["train", "--data", str(data_dir), "--dataset", "folder",
+                                 "--out", str(tmp_path / "m.safetensors")])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert "out of memory (CUDA out of memory. Tried to allocate 9.00 GiB (GPU 0)); a " \
+           "smaller --batch-size" in " ".join(result.output.split())
+    monkeypatch.setattr(certificate.Certifier, "certify", out_of_memory)
+    result = runner.invoke(cli, ["certify", "--checkpoint", str(checkpoint), "--data",
+                                 str(data_dir), "--eps", "0.1", "--batch-size", "2"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert "certifying a single sample" in " ".join(result.output.split())
+    monkeypatch.setattr(pipeline, "run_certify", lambda *a: 1 / 0)
+    result = runner.invoke(cli, ["certify", "--checkpoint", str(checkpoint), "--data",
+                                 str(data_dir), "--eps", "0.1"])
+    assert isinstance(result.exception, ZeroDivisionError)

@@ -123,7 +123,7 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
     progress.samples(len(records), len(order), None)
     try:
         for x, batch, batch_failure in certified_batches(certifier, data, todo, config.eps,
-                                                         run, batch_size):
+                                                         run, batch_size, progress.note):
             failure = max(failure, batch_failure)
             per_sample = batch[0].seconds
             if config.fallback is not None:
@@ -366,15 +366,40 @@ def run_settings(checkpoint_digest: str, data: object, split: str, settings: Cer
 
 def certified_batches(certifier: Certifier, data: object, indices: Sequence[int],
                       eps: Sequence[float], run: dict, batch_size: int,
+                      note: Callable[[str], None] | None = None,
                       ) -> Iterator[tuple[Tensor, list[SampleRecord], float]]:
     """LoFAST on ``data``'s samples ``indices``, batch by batch: yields the batch's images
     (B, C, H, W), a record per sample and the per-sample failure probability of the batch's
-    certificate (0 under the exact guarantee)."""
-    for start in range(0, len(indices), batch_size):
-        index = [int(i) for i in indices[start:start + batch_size]]
+    certificate (0 under the exact guarantee).
+
+    A batch the device has no memory for is certified again in halves, and the rest of the
+    run keeps the smaller size (told to ``note``): the records are those of a run with that
+    batch size. A lone sample without memory raises LofastError."""
+    from lofast.runtime import is_out_of_memory, release_cached_memory
+
+    start, size = 0, batch_size
+    while start < len(indices):
+        index = [int(i) for i in indices[start:start + size]]
         x, y = data.subset(index).to_tensors()
-        records, failure = _batch_records(certifier, x, y, index, eps, run)
+        try:
+            records, failure = _batch_records(certifier, x, y, index, eps, run)
+        except Exception as error:  # torch.OutOfMemoryError is a RuntimeError
+            if not is_out_of_memory(error):
+                raise
+            records = None  # the error and its frames (holding the batch's tensors) go here
+        if records is None:
+            release_cached_memory(certifier.device)
+            if len(index) == 1:
+                raise LofastError(f"out of memory on {certifier.device} certifying a single "
+                                  f"sample: the model's once-per-model proofs or one sample's "
+                                  f"bounds need more than the device has")
+            size = (len(index) + 1) // 2
+            if note is not None:
+                note(f"out of memory on {certifier.device} at a batch of {len(index)}: "
+                     f"certifying {size} at a time (--batch-size {size})")
+            continue
         yield x, records, failure
+        start += len(index)
 
 
 def _batch_records(certifier: Certifier, images: Tensor, labels: Tensor, indices: Sequence[int],

@@ -26,8 +26,9 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 
 class LofastGroup(click.Group):
-    """Maps every user-caused error to one line on stderr and exit code 1, and an interrupt to
-    one line and exit code 130 (Ctrl-C) or 143 (SIGTERM), instead of a traceback."""
+    """Maps every user-caused error, and running out of memory, to one line on stderr and exit
+    code 1, and an interrupt to one line and exit code 130 (Ctrl-C) or 143 (SIGTERM), instead
+    of a traceback."""
 
     def invoke(self, ctx: click.Context):
         on_main_thread = threading.current_thread() is threading.main_thread()
@@ -40,6 +41,16 @@ class LofastGroup(click.Group):
         except OSError as e:  # the machine's refusal (full disk, permissions), not a bug of ours
             where = f"{e.filename}: " if e.filename else ""
             stderr.print(f"[bold red]error:[/] {escape(where + str(e.strerror or e))}",
+                         soft_wrap=True)
+            sys.exit(1)
+        except Exception as e:  # torch.OutOfMemoryError is a RuntimeError; any other: a bug
+            from lofast.runtime import is_out_of_memory
+
+            if not is_out_of_memory(e):
+                raise
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            stderr.print(f"[bold red]error:[/] out of memory ({escape(reason)}); a smaller "
+                         "--batch-size needs less, and --resume goes on from the saved work",
                          soft_wrap=True)
             sys.exit(1)
         except KeyboardInterrupt as e:
