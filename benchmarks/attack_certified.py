@@ -30,10 +30,11 @@ from live_attention import score_spectra, with_live_attention  # beside this scr
 
 from lofast.certification.attack import pgd_l2
 from lofast.certification.certificate import Certifier, CertifySettings
-from lofast.checkpoint import default_checkpoint_path, load_checkpoint
+from lofast.checkpoint import default_checkpoint_path, open_checkpoint
 from lofast.config import ModelConfig
 from lofast.data import load_dataset
 from lofast.data.sample import class_balanced_order, load_bundled_sample
+from lofast.errors import LofastError
 from lofast.models.vit import create_model
 
 
@@ -66,7 +67,10 @@ def main() -> None:
 
     if args.tokens is None:
         checkpoint = args.checkpoint or default_checkpoint_path()
-        model = load_checkpoint(checkpoint)
+        try:  # a path, or a shipped model's name (lofast-live), as `lofast certify` takes
+            model = open_checkpoint(args.checkpoint).model
+        except LofastError as error:
+            parser.error(str(error))
     else:
         size, patch = SHAPES[args.tokens]
         checkpoint = f"fresh: {args.tokens} tokens, depth {args.depth}, seed {args.seed}"
