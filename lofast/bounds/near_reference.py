@@ -44,6 +44,7 @@ bounds (``jacobian_rounding``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -189,6 +190,22 @@ class JacobianData:
         return (self.x_value.shape[1], self.x_value.shape[2], self.x_value.shape[3],
                 self.x_query.shape[3])
 
+    @functools.cached_property
+    def covariances(self) -> Tensor:
+        """C_li = sum_m P_l[i, m] k_m v_m^T - kbar_i vbar_i^T (B, h, n, dh, dv): the key-value
+        covariance of token i's attention row, k = X Wk_l, v = X Wv_l / s, kbar = P_l k,
+        vbar = P_l v. It carries the score change's key side through the softmax Jacobian:
+        sum_m J_l(a b_m^T)[i, m] v_m = a_i^T C_li for any a (n, dh) and b = X Wk_l, so the
+        products need no (n x n) scores for it (``jacobian_apply``, ``jacobian_adjoint``).
+        Every term of C_li is a term of the scores' evaluation with one rounding path
+        replaced by another of no more roundings: ``jacobian_rounding`` covers both."""
+        values = self.x_value / self.scale
+        _, _, dv, dh = self.shape
+        outer = (self.x_key[..., :, None] * values[..., None, :]).flatten(-2)  # (B, h, n, dh dv)
+        first = (self.probs @ outer).unflatten(-1, (dh, dv))
+        means = (self.probs @ self.x_key)[..., :, None] * (self.probs @ values)[..., None, :]
+        return first - means
+
 
 @dataclass(frozen=True)
 class ProjectedBasis:
@@ -253,22 +270,24 @@ def jacobian_apply(basis: Tensor, data: JacobianData, softmax: bool,
     (n x n) by (n x k) product per head and feature, the softmax part adds one product per
     head, and the output projection reads them as one (n k x h dv) operand in place, without a
     copy; a last transposed copy puts the rows in vector order."""
-    heads, n, dv, _ = data.shape
+    heads, n, dv, dh = data.shape
     count, _, d = basis.shape
     batch = data.probs.shape[0]
     if projected is None:
         projected = project_basis(basis, data.projections, heads, dv)
     mixed = _mix_tokens(data.probs, projected.value)  # P_l G_j Wv_l [b, l, e, i, j]
     if softmax:
-        # E1_l(G_j) = G_j Wq_l (X Wk_l)^T + X Wq_l (G_j Wk_l)^T: [b, l, i, (j, m)]
-        scores = (projected.query @ data.x_key.mT).view(batch, heads, n, count * n)
-        scores += data.x_query @ projected.key
-        scores = scores.view(batch, heads, n, count, n)
+        # The score change E1_l(G_j) = G_j Wq_l (X Wk_l)^T + X Wq_l (G_j Wk_l)^T through J_l,
+        # then (X Wv_l / s)^T. Its key side X Wq_l (G_j Wk_l)^T mixes every token m: formed,
+        # [b, l, i, (j, m)]
+        scores = (data.x_query @ projected.key).view(batch, heads, n, count, n)
         row_softmax_jacobian(data.probs[:, :, :, None], scores, out=scores)  # in place
-        # + (X Wv_l / s)^T J_l(E1_l(G_j))^T, feature-major as the values
         mixed.view(batch * heads, dv, n * count).baddbmm_(
             (data.x_value / data.scale).reshape(batch * heads, n, dv).mT,
-            scores.view(batch * heads, n * count, n).mT)
+            scores.view(batch * heads, n * count, n).mT)  # feature-major as the values
+        # its query side G_j Wq_l (X Wk_l)^T by the covariances: (G_j Wq_l)_i^T C_li
+        mixed += torch.einsum("lijd,blide->bleij",
+                              projected.query.view(heads, n, count, dh), data.covariances)
     out = torch.baddbmm(projected.tokens.view(1, n * count, d).expand(batch, -1, -1),
                         mixed.view(batch, heads * dv, n * count).mT,
                         data.output.expand(batch, -1, -1), beta=data.residual)  # [b, (i, j), f]
@@ -304,10 +323,14 @@ def jacobian_adjoint(Y: Tensor, data: JacobianData, softmax: bool) -> Tensor:
         if adjoint_by_projections(data):
             # (A_l X Wk_l) Wq_l^T and (A_l^T X Wq_l) Wk_l^T: the token sums against the
             # (n x dh) projections, then one product with inner dimension 2 h dh
+            # (the first, sum_m A_l[j, i, m] (X Wk_l)_m, is C_li (Y Wo_l^T)_ji by the
+            # covariances, with no scores)
             row_softmax_jacobian(data.probs[:, :, None], scores, out=scores)
             by_token = scores.view(batch * heads, count, n, n)
             halves = torch.stack([
-                by_token @ data.x_key.reshape(batch * heads, 1, n, dh),
+                torch.einsum("blide,bleji->bljid", data.covariances,
+                             mixed.view(batch, heads, dv, count, n)
+                             ).reshape(batch * heads, count, n, dh),
                 by_token.mT @ data.x_query.reshape(batch * heads, 1, n, dh)])  # [half, (b, l), j, i, e]
             halves = halves.view(2, batch, heads, count * n, dh).permute(1, 3, 0, 2, 4)
             weights = torch.cat([parts[1], parts[2]], dim=1).mT  # [(half, l, e), f]
@@ -352,7 +375,11 @@ def jacobian_rounding(data: JacobianData) -> tuple[Tensor, Tensor]:
     X Wq_l Wk_l^T, whose entries are sums of dh products and, taken absolutely, at most the
     products |X Wk_l| |Wq_l|^T that the bound below counts), plus 2 h dh where the adjoint
     goes by the projections (``adjoint_by_projections``: sums over n tokens, then over
-    2 h dh; the same absolute products, associated the other way).
+    2 h dh; the same absolute products, associated the other way). The terms that go by the
+    covariances (``JacobianData.covariances``: the score change's query side in the image, the
+    adjoint's first half) are the same products P_im k_m v_m a_i and P_im P_im' k_m' v_m a_i,
+    summed over m, m' and the features in another order (at most n + d + dh + h (dv + dh) + 6
+    roundings each), so their absolute evaluation is the one below.
     The absolute evaluation of T_X has Frobenius norm at most
     (r + sum_l ||P_l||_2 ||Wv_l||_F ||Wo_l||_F) ||G||_F with ||P_l||_2 <= (max column sum)^(1/2)
     for a row-stochastic P_l >= 0; that of D_X at most
@@ -382,7 +409,8 @@ def jacobian_working_elements(count: int, data: JacobianData, softmax: bool) -> 
     one sample and ``count`` vectors: the image and the adjoint's output (k n d each), its
     feature-major values twice (k n h dv each) and, with the softmax part, its score tensors
     (k h n^2: once as scores, twice as the adjoint's left factor, or 4 k h dh n for the two
-    halves where it goes by the projections), plus a few tensors of the sample alone (below).
+    halves where it goes by the projections) and the covariances' term (k n h dv), plus a few
+    tensors of the sample alone (below).
     The score tensors dominate from a few dozen tokens (at 257 tokens, width 128, 8 heads:
     1.7e6 k elements, 26 times k n d), so chunks sized by k n d alone would hold 26 times
     their workspace."""
@@ -390,11 +418,12 @@ def jacobian_working_elements(count: int, data: JacobianData, softmax: bool) -> 
     d = data.output.shape[1]
     scores = (heads * n * n + 4 * heads * dh * n if adjoint_by_projections(data)
               else 3 * heads * n * n)  # the adjoint's left factor, or its two halves twice
-    per_vector = 2 * n * d + 2 * heads * dv * n + (scores if softmax else 0)
+    per_vector = 2 * n * d + 2 * heads * dv * n + (scores + heads * dv * n if softmax else 0)
     # and per sample: P_l expanded over the value features (``_mix_tokens`` on a CPU), with the
-    # softmax part X Wv_l / s twice and the adjoint's right factor X Wk_l Wq_l^T, X Wq_l Wk_l^T
-    # (2 h n d) twice
-    per_sample = heads * dv * n * n + (2 * heads * n * dv + 4 * heads * n * d if softmax else 0)
+    # softmax part X Wv_l / s twice, the adjoint's right factor X Wk_l Wq_l^T, X Wq_l Wk_l^T
+    # (2 h n d) twice and the covariances with their outer products (h n dh dv each)
+    per_sample = heads * dv * n * n + (2 * heads * n * dv + 4 * heads * n * d
+                                       + 2 * heads * n * dh * dv if softmax else 0)
     return count * per_vector + per_sample
 
 
