@@ -191,6 +191,11 @@ class JacobianData:
                 self.x_query.shape[3])
 
     @functools.cached_property
+    def scaled_values(self) -> Tensor:
+        """X Wv_l / s (B, h, n, dv): the values as the softmax part reads them."""
+        return self.x_value / self.scale
+
+    @functools.cached_property
     def covariances(self) -> Tensor:
         """C_li = sum_m P_l[i, m] k_m v_m^T - kbar_i vbar_i^T (B, h, n, dh, dv): the key-value
         covariance of token i's attention row, k = X Wk_l, v = X Wv_l / s, kbar = P_l k,
@@ -199,7 +204,7 @@ class JacobianData:
         products need no (n x n) scores for it (``jacobian_apply``, ``jacobian_adjoint``).
         Every term of C_li is a term of the scores' evaluation with one rounding path
         replaced by another of no more roundings: ``jacobian_rounding`` covers both."""
-        values = self.x_value / self.scale
+        values = self.scaled_values
         _, _, dv, dh = self.shape
         outer = (self.x_key[..., :, None] * values[..., None, :]).flatten(-2)  # (B, h, n, dh dv)
         first = (self.probs @ outer).unflatten(-1, (dh, dv))
@@ -283,7 +288,7 @@ def jacobian_apply(basis: Tensor, data: JacobianData, softmax: bool,
         scores = (data.x_query @ projected.key).view(batch, heads, n, count, n)
         row_softmax_jacobian(data.probs[:, :, :, None], scores, out=scores)  # in place
         mixed.view(batch * heads, dv, n * count).baddbmm_(
-            (data.x_value / data.scale).reshape(batch * heads, n, dv).mT,
+            data.scaled_values.reshape(batch * heads, n, dv).mT,
             scores.view(batch * heads, n * count, n).mT)  # feature-major as the values
         # its query side G_j Wq_l (X Wk_l)^T by the covariances: (G_j Wq_l)_i^T C_li
         mixed += torch.einsum("lijd,blide->bleij",
@@ -318,7 +323,7 @@ def jacobian_adjoint(Y: Tensor, data: JacobianData, softmax: bool) -> Tensor:
         # Jacobian's output A_l[j, i, m] by token m (half 0) and transposed, A_l[j, m, i]
         # (half 1).
         scores = (mixed.view(batch * heads, dv, count * n).mT
-                  @ (data.x_value / data.scale).reshape(batch * heads, n, dv).mT
+                  @ data.scaled_values.reshape(batch * heads, n, dv).mT
                   ).view(batch, heads, count, n, n)  # [b, l, j, i, m]
         if adjoint_by_projections(data):
             # (A_l X Wk_l) Wq_l^T and (A_l^T X Wq_l) Wk_l^T: the token sums against the
