@@ -87,9 +87,10 @@ def main() -> None:
                         "plain_vit_ms": 1e3 * baseline, "ratio": later / baseline}
         print(f"{name}, batch {args.batch} on {device} ({torch.get_num_threads()} threads): "
               f"first call {1e3 * first:.1f} ms, later calls {1e3 * later:.1f} ms, plain ViT "
-              f"of the same shape {1e3 * baseline:.1f} ms: ratio {later / baseline:.2f}")
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+              f"of the same shape {1e3 * baseline:.1f} ms: ratio {later / baseline:.2f}",
+              flush=True)
+        with open(args.out, "w") as f:  # after each way: a run cut short keeps what it measured
+            json.dump(report, f, indent=2)
     print(f"wrote {args.out}")
 
 
