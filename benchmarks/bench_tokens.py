@@ -2,7 +2,7 @@
 
     python benchmarks/bench_tokens.py [--tokens 4,16,64] [--guarantees exact,probabilistic]
         [--models 2] [--depth 3] [--small 4] [--large 12] [--position-bias] [--device auto]
-        [--profile ROWS] [--out bench_tokens.json]
+        [--profile ROWS] [--workspace-mib 512,4096] [--out bench_tokens.json]
 
 The models are fresh Lipschitz ViTs of width 128, depth --depth and 8 heads, with live attention
 as initialised. They cut 4 / 16 / 64 patch tokens from 32 x 32 images (patch 16 / 8 / 4), and 256
@@ -16,6 +16,11 @@ makes its per-model proofs, and then all --large of them:
 
 On a GPU a small model is certified once, untimed, before the first row, so that no row pays
 the device libraries' start-up.
+
+--workspace-mib M1,M2,... repeats every row with the certifier's chunk workspace set to each
+size (``first_order.DEVICE_WORKSPACE_ELEMENTS`` on an accelerator, ``CPU_WORKSPACE_ELEMENTS``
+on a CPU; default: the library's): how many samples its products and Lanczos bases take at
+once (at 257 tokens the 512 MiB default holds one sample's Jacobian products).
 
 --profile ROWS adds, to each row, torch.profiler's table of one more certification of the
 --large images by the last model's Certifier (its proofs made): the ROWS operators with the
@@ -36,6 +41,7 @@ import platform
 import torch
 from measure import profile_table, timed  # beside this script
 
+from lofast.bounds import first_order
 from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.config import ModelConfig
 from lofast.models.vit import create_model
@@ -72,16 +78,19 @@ def measure(tokens: int, guarantee: str, args: argparse.Namespace,
         table, sort = profile_table(device, lambda: certifier.certify(images, labels),
                                     rows=args.profile, shapes=True)
         profile = f"one certification of {args.large} images, sorted by {sort}\n{table}"
+    budget = (first_order.CPU_WORKSPACE_ELEMENTS if device.type == "cpu"
+              else first_order.DEVICE_WORKSPACE_ELEMENTS)
     return {"tokens": tokens, "image_size": size, "patch_size": patch, "guarantee": guarantee,
+            "workspace_mib": 8 * budget / 2 ** 20,
             "ms_per_sample": 1e3 * sum(per_sample) / len(per_sample),
             "once_per_model_s": sum(once) / len(once), "peak_gib": peak, "profile": profile}
 
 
 def growth_exponent(rows: list[dict]) -> float | None:
-    """Least-squares slope of log(ms a sample) on log(tokens); None below two shapes."""
+    """Least-squares slope of log(ms a sample) on log(tokens); None below two token counts."""
     points = [(math.log(r["tokens"]), math.log(r["ms_per_sample"])) for r in rows
               if r["ms_per_sample"] > 0]
-    if len(points) < 2:
+    if len({x for x, _ in points}) < 2:
         return None
     mean_x = sum(x for x, _ in points) / len(points)
     mean_y = sum(y for _, y in points) / len(points)
@@ -103,6 +112,8 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="add each row's profile table of ROWS operators")
+    parser.add_argument("--workspace-mib", default=None,
+                        help="comma-separated chunk workspaces in MiB (default: the library's)")
     parser.add_argument("--out", default="bench_tokens.json")
     args = parser.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -111,6 +122,12 @@ def main() -> None:
     if not 1 <= args.small < args.large or args.models < 1 or args.depth < 1 or args.profile < 0:
         parser.error("need --models >= 1, --depth >= 1, --profile >= 0 and 1 <= --small < "
                      "--large")
+    try:
+        workspaces = [int(m) for m in args.workspace_mib.split(",")] if args.workspace_mib else []
+    except ValueError:
+        parser.error("--workspace-mib takes whole MiB, e.g. 512,4096")
+    if any(m < 1 for m in workspaces):
+        parser.error("--workspace-mib takes sizes of at least 1 MiB")
     device = resolve_device(args.device)
     guarantees = args.guarantees.split(",")
     if device.type == "cuda":  # the device libraries' start-up, paid by no row
@@ -120,21 +137,28 @@ def main() -> None:
         with torch.no_grad():
             labels = warm_up(images).argmax(dim=1)
         Certifier(warm_up, CertifySettings(), device).certify(images, labels)
+    name = "CPU_WORKSPACE_ELEMENTS" if device.type == "cpu" else "DEVICE_WORKSPACE_ELEMENTS"
     rows = []
-    print("| tokens | image, patch | guarantee | ms a sample | s once per model | peak GiB |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for t in tokens:
-        for guarantee in guarantees:
-            row = measure(t, guarantee, args, device)
-            rows.append(row)
-            print(f"| {t} | {row['image_size']}, {row['patch_size']} | {guarantee} | "
-                  f"{row['ms_per_sample']:.1f} | {row['once_per_model_s']:.2f} | "
-                  + ("-" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}") + " |",
-                  flush=True)
-            if row["profile"]:
-                print(row["profile"], flush=True)
-    exponents = {g: growth_exponent([r for r in rows if r["guarantee"] == g])
-                 for g in guarantees}
+    print("| tokens | image, patch | guarantee | workspace MiB | ms a sample | s once per model "
+          "| peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for mib in workspaces or [None]:
+        if mib is not None:
+            setattr(first_order, name, mib * 2 ** 20 // 8)
+        for t in tokens:
+            for guarantee in guarantees:
+                row = measure(t, guarantee, args, device)
+                rows.append(row)
+                print(f"| {t} | {row['image_size']}, {row['patch_size']} | {guarantee} | "
+                      f"{row['workspace_mib']:g} | {row['ms_per_sample']:.1f} | "
+                      f"{row['once_per_model_s']:.2f} | "
+                      + ("-" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}") + " |",
+                      flush=True)
+                if row["profile"]:
+                    print(row["profile"], flush=True)
+    last = rows[-1]["workspace_mib"]  # the exponent at the last workspace size
+    exponents = {g: growth_exponent([r for r in rows if r["guarantee"] == g
+                                     and r["workspace_mib"] == last]) for g in guarantees}
     for g, e in exponents.items():
         if e is not None:
             print(f"{g}: ms a sample grows as tokens^{e:.2f}")
