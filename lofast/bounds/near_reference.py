@@ -199,9 +199,10 @@ class JacobianData:
     def covariances(self) -> Tensor:
         """C_li = sum_m P_l[i, m] k_m v_m^T - kbar_i vbar_i^T (B, h, n, dh, dv): the key-value
         covariance of token i's attention row, k = X Wk_l, v = X Wv_l / s, kbar = P_l k,
-        vbar = P_l v. It carries the score change's key side through the softmax Jacobian:
-        sum_m J_l(a b_m^T)[i, m] v_m = a_i^T C_li for any a (n, dh) and b = X Wk_l, so the
-        products need no (n x n) scores for it (``jacobian_apply``, ``jacobian_adjoint``).
+        vbar = P_l v. It carries the part of a score change that meets X's own keys through
+        the softmax Jacobian: sum_m J_l(E)[i, m] v_m = a_i^T C_li for E[i, m] = a_i . k_m and
+        any a (n, dh), so the products need no (n x n) scores for that part
+        (``jacobian_apply``, ``jacobian_adjoint``).
         Every term of C_li is a term of the scores' evaluation with one rounding path
         replaced by another of no more roundings: ``jacobian_rounding`` covers both."""
         values = self.scaled_values

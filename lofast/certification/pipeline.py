@@ -266,7 +266,7 @@ def run_attack(model: LipschitzViT, images: Tensor, records: Sequence[SampleReco
         if r.prediction != r.label:
             found[b] = (torch.zeros_like(x[b]), r.prediction)
     if correct:
-        labels = torch.tensor([records[b].label for b in correct], device=x.device)
+        labels = torch.tensor([records[b].label for b in correct])  # the attacks move them
         nearest = minimum_norm_attack(model, x[correct], labels, steps=settings.steps,
                                       box=settings.box)
         for i, b in enumerate(correct):
@@ -280,7 +280,7 @@ def run_attack(model: LipschitzViT, images: Tensor, records: Sequence[SampleReco
         todo = [b for b, r in enumerate(records)
                 if not r.results[e].certified and not size(b) <= e]
         if todo:
-            labels = torch.tensor([records[b].label for b in todo], device=x.device)
+            labels = torch.tensor([records[b].label for b in todo])  # the attacks move them
             result = pgd_attack(model, x[todo], labels, e, steps=settings.steps,
                                 restarts=settings.restarts, seed=settings.seed, box=settings.box)
             for i, b in enumerate(todo):
