@@ -30,7 +30,7 @@ from live_attention import score_spectra, with_live_attention  # beside this scr
 
 from lofast.certification.attack import pgd_l2
 from lofast.certification.certificate import Certifier, CertifySettings
-from lofast.checkpoint import default_checkpoint_path, open_checkpoint
+from lofast.checkpoint import checkpoint_path, open_checkpoint
 from lofast.config import ModelConfig
 from lofast.data import load_dataset
 from lofast.data.sample import class_balanced_order, load_bundled_sample
@@ -66,7 +66,7 @@ def main() -> None:
                      "--checkpoint, no --data")
 
     if args.tokens is None:
-        checkpoint = args.checkpoint or default_checkpoint_path()
+        checkpoint = checkpoint_path(args.checkpoint)
         try:  # a path, or a shipped model's name (lofast-live), as `lofast certify` takes
             model = open_checkpoint(args.checkpoint).model
         except LofastError as error:

@@ -42,7 +42,7 @@ from lofast.bounds.attention import attention_sensitivity
 from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.spectral import SpectralMethod
 from lofast.certification.certificate import BOUND_TERMS, Certifier, CertifySettings
-from lofast.checkpoint import default_checkpoint_path, load_checkpoint
+from lofast.checkpoint import checkpoint_path, load_checkpoint
 from lofast.data.sample import class_balanced_order, load_bundled_sample
 from lofast.runtime import resolve_device
 
@@ -122,7 +122,7 @@ def main() -> None:
     args = parser.parse_args()
 
     device = resolve_device(args.device)
-    model = load_checkpoint(args.checkpoint or default_checkpoint_path())
+    model = load_checkpoint(checkpoint_path(args.checkpoint))
     if args.live_attention is not None:
         try:
             model = with_live_attention(model, args.live_attention, args.seed, args.spread)

@@ -26,7 +26,7 @@ import torch
 from measure import timed  # beside this script
 from torch import nn
 
-from lofast.checkpoint import default_checkpoint_path, load_checkpoint
+from lofast.checkpoint import checkpoint_path, load_checkpoint
 from lofast.config import ModelConfig
 from lofast.runtime import resolve_device
 
@@ -63,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     device = resolve_device(args.device)
     def loaded() -> nn.Module:
-        return load_checkpoint(args.checkpoint or default_checkpoint_path()).to(device).eval()
+        return load_checkpoint(checkpoint_path(args.checkpoint)).to(device).eval()
 
     config = loaded().config
     plain = PlainViT(config).to(device).eval()

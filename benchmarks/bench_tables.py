@@ -59,7 +59,7 @@ from measure import sync  # beside this script
 
 from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.certification.records import eps_key
-from lofast.checkpoint import default_checkpoint_path, file_digest, load_checkpoint
+from lofast.checkpoint import checkpoint_path, file_digest, load_checkpoint
 from lofast.config import GUARANTEES
 from lofast.crown import INSTALL_HINT, METHODS, crown_available, crown_verify
 from lofast.data import load_dataset
@@ -327,7 +327,7 @@ def markdown(report: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", type=Path, default=None,
+    parser.add_argument("--checkpoint", default=None,
                         help="model (default: the shipped default checkpoint)")
     parser.add_argument("--data", type=Path, default=None,
                         help="CIFAR-10 (default: the sample bundled with lofast)")
@@ -360,7 +360,7 @@ def main() -> None:
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     device = resolve_device(args.device)
     batch_size = args.batch_size or default_batch_size(device)
-    checkpoint = args.checkpoint or default_checkpoint_path()
+    checkpoint = checkpoint_path(args.checkpoint)
     model = load_checkpoint(checkpoint, device)
     if args.data is None:
         data, data_name = load_bundled_sample(), "the bundled CIFAR-10 test sample"

@@ -33,7 +33,7 @@ import torch
 from measure import profile_table, sync  # beside this script
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lofast.checkpoint import load_checkpoint
+from lofast.checkpoint import checkpoint_path, load_checkpoint
 from lofast.config import TrainConfig, preset
 from lofast.models.vit import LipschitzViT, create_model
 from lofast.runtime import resolve_device
@@ -127,7 +127,7 @@ def main() -> None:
     args = parser.parse_args()
 
     device = resolve_device(args.device)
-    initial = (load_checkpoint(args.checkpoint) if args.checkpoint
+    initial = (load_checkpoint(checkpoint_path(args.checkpoint)) if args.checkpoint
                else create_model(preset(args.preset), seed=0))
     configs = {
         "ce": TrainConfig(batch_size=args.batch_size, amp=args.amp),

@@ -30,7 +30,7 @@ from torch.func import jvp, vjp
 
 from lofast.bounds.spectral import SpectralMethod, power_norm
 from lofast.certification.certificate import Certifier, CertifySettings
-from lofast.checkpoint import default_checkpoint_path, load_checkpoint
+from lofast.checkpoint import checkpoint_path, load_checkpoint
 from lofast.data.sample import class_balanced_order, load_bundled_sample
 
 
@@ -49,7 +49,7 @@ def main() -> None:
 
     numerator, _, denominator = args.eps.partition("/")
     eps = float(numerator) / float(denominator or 1)
-    checkpoint = args.checkpoint or default_checkpoint_path()
+    checkpoint = checkpoint_path(args.checkpoint)
     model = load_checkpoint(checkpoint)
     data = load_bundled_sample()
     x, y = data.subset(class_balanced_order(data.labels)[: args.n]).to_tensors()

@@ -20,7 +20,7 @@ import argparse
 import torch
 
 from lofast.bounds.estimate import attention_sensitivity_estimate
-from lofast.checkpoint import default_checkpoint_path, load_checkpoint
+from lofast.checkpoint import checkpoint_path, load_checkpoint
 from lofast.data import load_dataset
 from lofast.training.bound import TrainingBound
 
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--reference-iterations", type=int, default=40)
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = load_checkpoint(args.checkpoint or default_checkpoint_path()).eval()
+    model = load_checkpoint(checkpoint_path(args.checkpoint)).eval()
     images = load_dataset(args.data, "train").images
     kept = TrainingBound.WARM_STARTS
     worst = {"random": [], "previous batch, one per sample": [], f"{kept} kept, repeated": []}
