@@ -1,7 +1,8 @@
 """How much robustness the certificate leaves on the table, for every shipped checkpoint: on the
 first N class-balanced test images, certified accuracy against the share that no attack
-falsifies (l2 PGD at each eps plus the minimum-norm attack, in float64), the median adversarial
-radius, and the median certified / adversarial radius over the correctly classified samples.
+falsifies (l2 PGD at each eps plus the minimum-norm attack, checked in float64), the median
+adversarial radius, and the median certified / adversarial radius over the correctly classified
+samples.
 With --frozen, also each model with every block's attention replaced by its mean over the same
 images (``attention_report.ablate_attention``): what attention buys, and whether the
 certificate sees it. Prints a markdown table and writes JSON; every run is resumable (its
@@ -95,8 +96,8 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
                      f"{s['median_adversarial_radius']:.4f} | {s['median_radius_ratio']:.3f} |")
     lines.append(f"\nFirst {args.n} class-balanced images of {args.data or 'the bundled sample'};"
                  f" attack: minimum-norm ({args.steps} steps) and l2 PGD ({args.steps} steps, "
-                 f"{args.restarts} restarts) at each eps, pixel box, float64; radii and "
-                 "ratios over the correctly classified images.")
+                 f"{args.restarts} restarts) at each eps, pixel box, searched in float32 and "
+                 "checked in float64; radii and ratios over the correctly classified images.")
     return "\n".join(lines)
 
 

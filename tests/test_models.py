@@ -629,12 +629,12 @@ def test_torch_func_transforms_take_an_eval_model_with_kept_values():
 
 
 def test_a_frozen_copy_keeps_its_held_weights_through_a_reusing_block(monkeypatch):
-    """An attack's ``reusing_effective_weights`` inside a ``frozen_float64`` copy reuses the
+    """An attack's ``reusing_effective_weights`` inside a ``frozen`` copy reuses the
     copy's held weights: no SVD, and nothing released when the block ends."""
     from lofast.models import layers
 
     model = create_model(preset("tiny", num_classes=4), seed=0).eval()
-    frozen = model.frozen_float64("cpu")
+    frozen = model.frozen("cpu")
     x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     held = [stage.held for stage in frozen.stages if isinstance(stage, layers.HoldsCappedWeights)]
     assert held and all(h is not None for h in held)

@@ -96,15 +96,16 @@ def test_the_attack_runs_on_the_runs_device(trained, monkeypatch):
     run_device = torch.device("cpu", 0)
     monkeypatch.setattr(runtime, "resolve_device", lambda name: run_device)
     copies = []
-    original = LipschitzViT.frozen_float64
-    monkeypatch.setattr(LipschitzViT, "frozen_float64",
-                        lambda self, device: copies.append(device) or original(self, device))
+    original = LipschitzViT.frozen
+    monkeypatch.setattr(LipschitzViT, "frozen",
+                        lambda self, device, dtype=torch.float64:
+                        copies.append(device) or original(self, device, dtype))
     pixels = (x[:4] * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
     data = ImageDataset(images=np.ascontiguousarray(pixels), labels=y[:4].numpy(),
                         classes=("a", "b", "c", "d"), name="folder")
     lofast.certify(model, data, eps=[0.05], attack=AttackSettings(steps=3, restarts=1))
-    # every float64 copy of the run (the certifier's and the attack's) on the run's device
-    assert len(copies) >= 2 and all(isinstance(d, torch.device) and d == run_device
+    # every copy of the run (the certifier's, the attack's and its search twin) on the run's device
+    assert len(copies) >= 3 and all(isinstance(d, torch.device) and d == run_device
                                     for d in copies), copies
 
 
@@ -261,7 +262,7 @@ def test_a_certificate_beyond_a_counterexample_stops_the_run(trained):
     certified = next(r for r in records if r.radius > 0)
     certified.radius *= 100  # a certificate no sound bound gives
     with pytest.raises(CertificationError, match="unsound"):
-        run_attack(model.frozen_float64("cpu"), x[:4], records, [0.05],
+        run_attack(model.frozen("cpu"), model.frozen("cpu", torch.float32), x[:4], records, [0.05],
                    AttackSettings(steps=20, restarts=1))
 
 
@@ -424,3 +425,70 @@ def test_large_attacks_run_in_parts(trained, monkeypatch):
     assert (model(adversarial).argmax(dim=1)[result.found] != y[result.found]).all()
     nearest = attack.minimum_norm_attack(model, x, y, steps=10)
     assert nearest.norm.shape == (12,) and nearest.found.all()
+
+
+def test_a_float32_search_finds_what_float64_finds_and_is_checked_in_float64(trained):
+    """The attacks' float32 search twin (``run_attack``'s): every counterexample it keeps
+    changes the float64 model's prediction, lies in the box and, for PGD, within eps in float64
+    (no tolerance); it finds the same samples as the float64 search, the minimum-norm radii
+    within 2 % of each other, and where it costs no robustness, the minimum-norm radius is where
+    the float64 model's prediction changes on the ray (refined in float64)."""
+    from lofast.certification.attack import minimum_norm_attack
+
+    model, x, y = trained
+    exact, search = model.frozen("cpu"), model.frozen("cpu", torch.float32)
+    x, y = x[:16].double(), y[:16]
+    near_fast = minimum_norm_attack(exact, x, y, steps=30, search=search)
+    near_slow = minimum_norm_attack(exact, x, y, steps=30)
+    assert torch.equal(near_fast.found, near_slow.found) and near_fast.found.any()
+    both = near_fast.found & (near_slow.norm > 0)
+    assert torch.allclose(near_fast.norm[both], near_slow.norm[both], rtol=0.02)
+    at = x + near_fast.perturbation
+    assert at.min() >= 0 and at.max() <= 1
+    assert (exact(at).argmax(dim=1)[near_fast.found] != y[near_fast.found]).all()
+
+    eps = float(near_slow.norm[both].median())  # about half the samples within reach
+    fast = pgd_attack(exact, x, y, eps, steps=20, restarts=2, search=search)
+    slow = pgd_attack(exact, x, y, eps, steps=20, restarts=2)
+    assert fast.perturbation.dtype == torch.float64 and fast.found.any()
+    assert torch.equal(fast.found, slow.found)
+    assert (fast.norm <= eps).all()
+    adversarial = x + fast.perturbation
+    assert adversarial.min() >= 0 and adversarial.max() <= 1
+    predicted = exact(adversarial).argmax(dim=1)
+    assert (predicted[fast.found] != y[fast.found]).all()
+    assert torch.equal(predicted[fast.found], fast.adversarial_class[fast.found])
+    # one step of 2.5 eps outside the box: every perturbation on the float32 ball's surface,
+    # some a rounding outside eps in float64 until brought back into the ball there
+    edge = pgd_attack(exact, x, y, eps, steps=1, restarts=1, search=search, box=False)
+    assert edge.found.any() and (edge.norm <= eps).all()
+
+
+def test_a_search_twin_that_lies_finds_nothing_the_model_does_not_do(trained):
+    """A search twin that misclassifies everything (a logit offset the model does not have)
+    reports a counterexample at every image; the check on the model keeps none of them for the
+    images the model classifies correctly."""
+    from lofast.certification.attack import minimum_norm_attack
+
+    model, x, y = trained
+    exact = model.frozen("cpu")
+    x = x[:8].double()
+    correct = exact(x).argmax(dim=1) == y[:8]
+    assert correct.any()
+
+    class Liar(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.twin = model.frozen("cpu", torch.float32)
+
+        def forward(self, images):
+            logits = self.twin(images)
+            offset = torch.zeros_like(logits)
+            offset[:, 0] = offset[:, 1] = 1e3  # class 0 or 1 always wins: never both labels
+            return logits + offset * torch.arange(1, logits.shape[1] + 1)
+
+    liar = Liar()
+    for result in (pgd_attack(exact, x, y[:8], 1e-6, steps=3, restarts=1, search=liar),
+                   minimum_norm_attack(exact, x, y[:8], steps=3, search=liar)):
+        assert not result.found[correct].any()
+        assert (result.adversarial_class[correct] == -1).all()

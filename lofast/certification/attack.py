@@ -43,35 +43,59 @@ def _project(delta: Tensor, x: Tensor, eps: Tensor, box: bool) -> Tensor:
 
 def pgd_attack(model: nn.Module, x: Tensor, y: Tensor, eps: float | Tensor, steps: int = 100,
                restarts: int = 5, step_size: float | None = None, seed: int = 0,
-               box: bool = True) -> AttackResult:
+               box: bool = True, search: nn.Module | None = None) -> AttackResult:
     """Maximises the margin loss max_{j != y} z_j - z_y with normalised gradient steps inside
     the l2 ball of radius eps (scalar or (B,)) around each image, from the clean image and from
     restarts - 1 random starts in the ball, all restarts side by side in one batch of
     restarts x B images; keeps, per image, the first perturbation that changes the prediction
     in the first restart that finds one. Deterministic for a given seed and number of images;
     more than MAX_ATTACK_IMAGES // restarts images are attacked in parts of that size (each
-    part seeded by seed + its number)."""
+    part seeded by seed + its number).
+
+    search: a copy of ``model`` in a faster precision (``LipschitzViT.frozen(device,
+    torch.float32)``) that takes the gradient steps in its own dtype; the perturbation it
+    finds is brought back to x's dtype, into the ball and the box there, and kept only where
+    ``model`` itself misclassifies the image (default: ``model`` searches)."""
     if restarts < 1:
         raise ValueError(f"the attack needs at least one restart, not {restarts}")
     y = y.to(x.device, torch.long)  # labels from anywhere: a list's tensor lives on the host
-    model.eval()
-    # a LipschitzViT computes its exact caps (an SVD per capped weight) once for the attack,
-    # not in every one of its forward passes
-    holding = getattr(model, "reusing_effective_weights", contextlib.nullcontext)
     eps = torch.as_tensor(eps, dtype=x.dtype, device=x.device).expand(len(x))
     part = max(1, MAX_ATTACK_IMAGES // restarts)
-    with holding():
-        results = [_pgd(model, x[i:i + part], y[i:i + part], eps[i:i + part], steps, restarts,
-                        step_size, seed + i // part, box) for i in range(0, len(x), part)]
+    with _ready(model, search) as searcher:
+        results = [_pgd(model, searcher, x[i:i + part], y[i:i + part], eps[i:i + part], steps,
+                        restarts, step_size, seed + i // part, box)
+                   for i in range(0, len(x), part)]
     return AttackResult(*(torch.cat(parts) for parts in zip(
         *((r.found, r.perturbation, r.norm, r.adversarial_class) for r in results))))
 
 
-def _pgd(model: nn.Module, x: Tensor, y: Tensor, eps: float | Tensor, steps: int, restarts: int,
-         step_size: float | None, seed: int, box: bool) -> AttackResult:
-    """``pgd_attack``'s search, with the model ready."""
+@contextlib.contextmanager
+def _ready(model: nn.Module, search: nn.Module | None):
+    """Yields the module that searches (``model`` where search is None), with model and search
+    in eval mode, each holding its effective weights while the attack runs: a LipschitzViT
+    computes its exact caps (an SVD per capped weight) once for the attack, not in every one of
+    its forward passes."""
+    search = model if search is None else search
+    with contextlib.ExitStack() as stack:
+        for module in {id(model): model, id(search): search}.values():
+            module.eval()
+            stack.enter_context(getattr(module, "reusing_effective_weights",
+                                        contextlib.nullcontext)())
+        yield search
+
+
+def _dtype(module: nn.Module, default: torch.dtype) -> torch.dtype:
+    """The dtype of a module's first floating-point parameter (default where it has none)."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), default)
+
+
+def _pgd(model: nn.Module, search: nn.Module, x: Tensor, y: Tensor, eps: Tensor, steps: int,
+         restarts: int, step_size: float | None, seed: int, box: bool) -> AttackResult:
+    """``pgd_attack``'s search on ``search``, its result checked on ``model``."""
     batch = len(x)
-    eps = torch.as_tensor(eps, dtype=x.dtype, device=x.device).expand(batch).clone()
+    exact, exact_eps = x, eps  # the images and radii in the model's dtype
+    x = x.to(_dtype(search, x.dtype))  # the search runs in its own
+    eps = eps.to(x.dtype)
     alpha = step_size if step_size is not None else 2.5 / steps
     generator = torch.Generator(device=x.device).manual_seed(seed)
     # row r * B + b: restart r of image b
@@ -90,22 +114,24 @@ def _pgd(model: nn.Module, x: Tensor, y: Tensor, eps: float | Tensor, steps: int
     delta[:batch] = 0.0  # the first restart starts at the clean image
     for _ in range(steps):
         delta.requires_grad_(True)
-        logits = model(xs + delta)
+        logits = search(xs + delta)
         keep(delta, logits)
-        true = logits.gather(1, ys[:, None])[:, 0]
-        other = logits.scatter(1, ys[:, None], -torch.inf).max(dim=1).values
-        grad, = torch.autograd.grad((other - true).sum(), delta)
+        grad, = torch.autograd.grad(_margin_loss(logits, ys).sum(), delta)
         with torch.no_grad():
             norms = torch.linalg.vector_norm(grad.flatten(1), dim=1).clamp_min(1e-12)
             step = grad / norms[:, None, None, None] * (alpha * radii)[:, None, None, None]
             delta = _project(delta + step, xs, radii, box)
     with torch.no_grad():
-        keep(delta, model(xs + delta))
+        keep(delta, search(xs + delta))
     # per image, the first restart that found a perturbation (restarts x B -> B)
     found = found.view(restarts, batch)
     first = found.int().argmax(dim=0)  # 0 where none found: that row's best is zero
     best = best.view(restarts, batch, *x.shape[1:])[first, torch.arange(batch, device=x.device)]
     found = found.any(dim=0)
+    x = exact
+    if best.dtype != x.dtype:  # within the ball and the box in the model's dtype as well
+        inside = exact_eps * (1.0 - 2.0 ** -40)  # the norm's rounding kept inside eps
+        best = _project(best.to(x.dtype), x, inside, box)
     with torch.no_grad():  # a counterexample is what the model does at it, checked once more
         predicted = model(x + best).argmax(dim=1)
     found &= predicted != y
@@ -141,7 +167,8 @@ class MinimumNormResult:
 
 def minimum_norm_attack(model: nn.Module, x: Tensor, y: Tensor, steps: int = 100,
                         start_norm: Tensor | float | None = None, box: bool = True,
-                        gamma: float = 0.05, refine_steps: int = 20) -> MinimumNormResult:
+                        gamma: float = 0.05, refine_steps: int = 20,
+                        search: nn.Module | None = None) -> MinimumNormResult:
     """The smallest l2 perturbation that changes the prediction, searched by decoupled
     direction and norm (DDN; Rony et al., CVPR 2019) and refined along its ray.
 
@@ -154,17 +181,19 @@ def minimum_norm_attack(model: nn.Module, x: Tensor, y: Tensor, steps: int = 100
     first changes the prediction (forward passes only): the norm returned is that point's,
     never more than DDN's. With box, every image stays in [0, 1] (the segment too: the box is
     convex). Deterministic. A misclassified sample is its own counterexample (norm 0).
+
+    search: as ``pgd_attack``'s, it takes DDN's steps; the refinement along the ray and the
+    final check run on ``model`` in x's dtype, so the norm returned is where ``model``'s own
+    prediction changes.
     """
     if steps < 1:
         raise ValueError(f"the attack needs at least one step, not {steps}")
     y = y.to(x.device, torch.long)
-    model.eval()
-    holding = getattr(model, "reusing_effective_weights", contextlib.nullcontext)
     if start_norm is not None:
         start_norm = torch.as_tensor(start_norm, dtype=x.dtype, device=x.device).expand(len(x))
     part = MAX_ATTACK_IMAGES
-    with holding():
-        results = [_minimum_norm(model, x[i:i + part], y[i:i + part], steps,
+    with _ready(model, search) as searcher:
+        results = [_minimum_norm(model, searcher, x[i:i + part], y[i:i + part], steps,
                                  None if start_norm is None else start_norm[i:i + part], box,
                                  gamma, refine_steps) for i in range(0, len(x), part)]
     return MinimumNormResult(*(torch.cat(parts) for parts in zip(
@@ -177,14 +206,17 @@ def _margin_loss(logits: Tensor, y: Tensor) -> Tensor:
     return logits.scatter(1, y[:, None], -torch.inf).max(dim=1).values - true
 
 
-def _minimum_norm(model: nn.Module, x: Tensor, y: Tensor, steps: int,
+def _minimum_norm(model: nn.Module, search: nn.Module, x: Tensor, y: Tensor, steps: int,
                   start_norm: Tensor | float | None, box: bool, gamma: float,
                   refine_steps: int) -> MinimumNormResult:
+    """``minimum_norm_attack``'s DDN steps on ``search``, refined and checked on ``model``."""
     batch = len(x)
     norms_of = lambda t: torch.linalg.vector_norm(t.flatten(1), dim=1)
     shape = (batch,) + (1,) * (x.dim() - 1)
+    exact = x  # the images in the model's dtype; the steps run in the search's
+    x = x.to(_dtype(search, x.dtype))
     delta = torch.zeros_like(x, requires_grad=True)
-    logits = model(x + delta)
+    logits = search(x + delta)
     loss = _margin_loss(logits, y)
     grad, = torch.autograd.grad(loss.sum(), delta)
     misclassified = (loss > 0).detach()
@@ -201,7 +233,7 @@ def _minimum_norm(model: nn.Module, x: Tensor, y: Tensor, steps: int,
         moved = delta + alpha.view(shape) * direction
         moved = moved * (budget / norms_of(moved).clamp_min(1e-12)).view(shape)
         delta = ((x + moved).clamp(0.0, 1.0) - x if box else moved).detach().requires_grad_(True)
-        loss = _margin_loss(model(x + delta), y)
+        loss = _margin_loss(search(x + delta), y)
         grad, = torch.autograd.grad(loss.sum(), delta)
         with torch.no_grad():
             adversarial = loss > 0
@@ -211,6 +243,10 @@ def _minimum_norm(model: nn.Module, x: Tensor, y: Tensor, steps: int,
             best_norm = torch.where(better, size, best_norm)
             budget = torch.where(adversarial, budget * (1 - gamma), budget * (1 + gamma))
     found = torch.isfinite(best_norm)
+    x = exact
+    if best.dtype != x.dtype:  # in the model's dtype, inside the box there as well
+        best = best.to(x.dtype)
+        best = (x + best).clamp(0.0, 1.0) - x if box else best
     with torch.no_grad():  # the first point of the segment x -> x + best where the label goes
         low = torch.zeros(batch, dtype=x.dtype, device=x.device)
         high = torch.ones(batch, dtype=x.dtype, device=x.device)

@@ -238,7 +238,7 @@ class _Float64Model:
 
     def __init__(self, model: LipschitzViT, device: torch.device | str) -> None:
         self.device = torch.device(device)
-        self.model = model.frozen_float64(self.device)
+        self.model = model.frozen(self.device)
         with torch.no_grad():
             structure = self.model.structure()
         self.weights: dict[int, AttentionSpec] = {

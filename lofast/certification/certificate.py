@@ -230,7 +230,7 @@ class Certifier:
                  device: torch.device | str = "cpu") -> None:
         self.settings = (settings or CertifySettings()).for_model(model)
         self.device = torch.device(device)
-        self.model = model.frozen_float64(self.device)
+        self.model = model.frozen(self.device)
         # specs on the certifier's device. They hold the per-model proofs (an attention spec's
         # verified reference norm and deflations, computed on first use): these live and die
         # with this certifier; certify many batches with one Certifier to pay them once.

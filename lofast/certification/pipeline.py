@@ -109,9 +109,10 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
         order = order[shard[0]::shard[1]]
     if config.attack is not None and config.attack.save_dir is not None:
         check_writable(config.attack.save_dir / f"{run_name(run)}.npz")  # before any work
-    # the attack's float64 copy, once per run (its effective weights held: no SVD per batch),
-    # on the run's device: float64 PGD on a GPU, not on the host's cores
-    attacked = model.frozen_float64(device) if config.attack is not None else None
+    # the attack's float64 copy and its float32 search twin, once per run (their effective
+    # weights held: no SVD per batch), on the run's device: PGD on a GPU, not on the host's cores
+    attacked = (None if config.attack is None
+                else (model.frozen(device), model.frozen(device, torch.float32)))
     writer = RecordWriter(out, config.resume, config.eps, run)
     todo = [int(i) for i in order if int(i) not in writer.done]
     # a file resumed with a smaller --n holds records outside this run's samples: not counted
@@ -130,7 +131,7 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
                 run_fallback(model, x, batch, config.eps, config.fallback,
                              config.fallback_timeout, progress.phase)
             if config.attack is not None:
-                run_attack(attacked, x, batch, config.eps, config.attack)
+                run_attack(*attacked, x, batch, config.eps, config.attack)
             writer.write(batch)
             records.extend(batch)
             progress.samples(len(records), len(order), 1e3 * per_sample)
@@ -239,12 +240,14 @@ def run_fallback(model: nn.Module, images: Tensor, records: Sequence[SampleRecor
                 progress(f"{method} at eps={key}", done + 1, len(todo))
 
 
-def run_attack(model: LipschitzViT, images: Tensor, records: Sequence[SampleRecord],
-               eps: Sequence[float], settings: AttackSettings) -> None:
+def run_attack(model: LipschitzViT, search: LipschitzViT | None, images: Tensor,
+               records: Sequence[SampleRecord], eps: Sequence[float],
+               settings: AttackSettings) -> None:
     """Measure how far each sample's certificate is from the nearest counterexample found, and
     mark each open sample falsified at each eps where one is found (images (B, C, H, W) in
-    [0, 1] in the records' order; model: the float64 copy to attack,
-    ``LipschitzViT.frozen_float64``, made once for all batches):
+    [0, 1] in the records' order; model: the float64 copy to attack, ``LipschitzViT.frozen``,
+    made once for all batches; search: its float32 copy, whose gradient steps take about half
+    the float64 ones' time on a CPU, or None to search in float64 as well):
 
     - every correctly classified sample, certified or not, gets the minimum-norm attack
       (``attack.minimum_norm_attack``); a misclassified sample is its own counterexample
@@ -253,12 +256,13 @@ def run_attack(model: LipschitzViT, images: Tensor, records: Sequence[SampleReco
     - PGD at each eps (smallest first) on the samples no verifier certified there and no
       counterexample within eps covers yet; a smaller counterexample replaces the one kept.
 
-    Every counterexample is re-checked in float64 before it is reported; one within a certified
-    radius raises CertificationError (the certificate would be broken)."""
+    Every counterexample is re-checked in float64 before it is reported (the minimum-norm
+    attack's refinement along its ray runs in float64 too); one within a certified radius raises
+    CertificationError (the certificate would be broken)."""
     from lofast.certification.attack import minimum_norm_attack, pgd_attack
 
     if next(model.parameters()).dtype != torch.float64:
-        raise ValueError("run_attack takes a float64 model (LipschitzViT.frozen_float64)")
+        raise ValueError("run_attack takes a float64 model (LipschitzViT.frozen)")
     x = images.to(next(model.parameters()).device, torch.float64)
     found: dict[int, tuple[Tensor, int]] = {}  # sample -> (perturbation, adversarial class)
     correct = [b for b, r in enumerate(records) if r.prediction == r.label]
@@ -268,7 +272,7 @@ def run_attack(model: LipschitzViT, images: Tensor, records: Sequence[SampleReco
     if correct:
         labels = torch.tensor([records[b].label for b in correct])  # the attacks move them
         nearest = minimum_norm_attack(model, x[correct], labels, steps=settings.steps,
-                                      box=settings.box)
+                                      box=settings.box, search=search)
         for i, b in enumerate(correct):
             if nearest.found[i]:
                 found[b] = (nearest.perturbation[i], int(nearest.adversarial_class[i]))
@@ -282,7 +286,8 @@ def run_attack(model: LipschitzViT, images: Tensor, records: Sequence[SampleReco
         if todo:
             labels = torch.tensor([records[b].label for b in todo])  # the attacks move them
             result = pgd_attack(model, x[todo], labels, e, steps=settings.steps,
-                                restarts=settings.restarts, seed=settings.seed, box=settings.box)
+                                restarts=settings.restarts, seed=settings.seed, box=settings.box,
+                                search=search)
             for i, b in enumerate(todo):
                 if result.found[i] and float(result.norm[i]) < size(b):
                     found[b] = (result.perturbation[i], int(result.adversarial_class[i]))

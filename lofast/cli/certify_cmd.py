@@ -126,9 +126,10 @@ def exit_if_unmet(lines: list[str]) -> None:
               help="Seconds the fallback may spend on one sample (branch and bound stops "
                    "there with an unknown verdict).")
 @click.option("--attack", is_flag=True,
-              help="Attack in float64 after the verifiers: a minimum-norm attack on every "
-                   "correctly classified sample (its adversarial radius, beside the certified "
-                   "one) and l2 PGD at each eps on the samples still open. The summary shows "
+              help="Attack after the verifiers: a minimum-norm attack on every correctly "
+                   "classified sample (its adversarial radius, beside the certified one) and "
+                   "l2 PGD at each eps on the samples still open, searched in float32 and "
+                   "every counterexample checked in float64. The summary shows "
                    "certified against not-falsified accuracy per eps and the median certified "
                    "/ adversarial radius.")
 @click.option("--attack-steps", type=click.IntRange(1, MAX_ATTACK_STEPS),

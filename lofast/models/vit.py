@@ -97,7 +97,7 @@ class LipschitzViT(nn.Module):
         reuse them, for a training step that evaluates them more than once (forward pass,
         training bound, attention reward). The weights must not change inside.
         Re-entrant: inside an outer block, or in a model whose weights are held already (a
-        ``frozen_float64`` copy), it reuses those weights and releases nothing."""
+        ``frozen`` copy), it reuses those weights and releases nothing."""
         if self._held:
             yield
             return
@@ -107,12 +107,14 @@ class LipschitzViT(nn.Module):
         finally:
             self.hold_effective_weights(False)
 
-    def frozen_float64(self, device: torch.device | str) -> LipschitzViT:
-        """A private float64 copy on ``device``, in eval mode, for a certifier, an attack or a
-        report that never changes its weights: its capped stages hold their effective weights
-        and its SLL layers their rescaling (no SVD on any forward pass). The copy is the
-        model in float64, so certificates and counterexamples are about that model."""
-        copy = copy_module.deepcopy(self).to(torch.device(device), torch.float64).eval()
+    def frozen(self, device: torch.device | str,
+               dtype: torch.dtype = torch.float64) -> LipschitzViT:
+        """A private copy on ``device`` in ``dtype``, in eval mode, for a certifier, an attack or
+        a report that never changes its weights: its capped stages hold their effective weights
+        and its SLL layers their rescaling (no SVD on any forward pass). In float64 (the
+        default) the copy is the model that certificates and counterexamples are about; a
+        float32 copy only searches for counterexamples faster (``attack``'s ``search``)."""
+        copy = copy_module.deepcopy(self).to(torch.device(device), dtype).eval()
         with torch.no_grad():
             copy.hold_effective_weights(True)
         return copy
