@@ -142,10 +142,11 @@ def _pgd(model: nn.Module, search: nn.Module, x: Tensor, y: Tensor, eps: Tensor,
 
 
 def pgd_l2(model: nn.Module, x: Tensor, y: Tensor, eps: float | Tensor, steps: int = 100,
-           restarts: int = 5, step_size: float | None = None, seed: int = 0) -> Tensor:
+           restarts: int = 5, step_size: float | None = None, seed: int = 0,
+           search: nn.Module | None = None) -> Tensor:
     """(B,) bool: True where an image within l2 distance eps and in [0,1] changes the
-    prediction away from y (``pgd_attack`` in the pixel box)."""
-    return pgd_attack(model, x, y, eps, steps, restarts, step_size, seed).found
+    prediction away from y (``pgd_attack`` in the pixel box, searched on ``search``)."""
+    return pgd_attack(model, x, y, eps, steps, restarts, step_size, seed, search=search).found
 
 
 @dataclass
