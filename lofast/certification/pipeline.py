@@ -111,8 +111,9 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
         check_writable(config.attack.save_dir / f"{run_name(run)}.npz")  # before any work
     # the attack's float64 copy and its float32 search twin, once per run (their effective
     # weights held: no SVD per batch), on the run's device: PGD on a GPU, not on the host's cores
-    attacked = (None if config.attack is None
-                else (model.frozen(device), model.frozen(device, torch.float32)))
+    attacking = config.attack is not None
+    attacked = model.frozen(device) if attacking else None
+    searched = model.frozen(device, torch.float32) if attacking else None
     writer = RecordWriter(out, config.resume, config.eps, run)
     todo = [int(i) for i in order if int(i) not in writer.done]
     # a file resumed with a smaller --n holds records outside this run's samples: not counted
@@ -131,7 +132,7 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
                 run_fallback(model, x, batch, config.eps, config.fallback,
                              config.fallback_timeout, progress.phase)
             if config.attack is not None:
-                run_attack(*attacked, x, batch, config.eps, config.attack)
+                run_attack(attacked, searched, x, batch, config.eps, config.attack)
             writer.write(batch)
             records.extend(batch)
             progress.samples(len(records), len(order), 1e3 * per_sample)
