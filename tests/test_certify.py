@@ -11,6 +11,7 @@ from lofast.bounds.spectral import Guarantee, SpectralMethod
 from lofast.bounds.stages import radius_maps
 from lofast.certification.attack import pgd_l2
 from lofast.certification.certificate import Certifier, CertifySettings
+from lofast.certification.pipeline import _batch_records
 from lofast.checkpoint import default_checkpoint_path, load_checkpoint
 from lofast.config import preset
 from lofast.data.sample import load_bundled_sample
@@ -284,6 +285,45 @@ def test_verdicts_monotone_and_consistent_with_radius(certificate):
         assert torch.equal(verdicts[:, k], radius > eps) or \
             ((verdicts[:, k] != (radius > eps)) <= ((radius - eps).abs() < 1e-9)).all()
 
+
+
+def test_only_samples_a_radius_can_certify_get_bounds(trained, monkeypatch):
+    """The certifier bounds only the samples with every margin positive: the others get radius
+    0, no verdict and an infinite feature radius, and the bounded ones get exactly the
+    certificate that a batch of them alone gets (the per-sample work is theirs only)."""
+    model, x, y = trained
+    x, y = x[:12], y[:12].clone()
+    y[::3] = (y[::3] + 1) % model.config.num_classes  # a third labelled wrongly
+    certifier = Certifier(model, CertifySettings())
+    walked = []
+    original = radius_maps
+
+    def counting(structure, activations, rules):
+        walked.append(len(activations[0]))
+        return original(structure, activations, rules)
+
+    monkeypatch.setattr("lofast.certification.certificate.radius_maps", counting)
+    mixed = certifier.certify(x, y)
+    keep = mixed.bounded
+    assert torch.equal(keep, (mixed.margins > 0).all(dim=1))
+    assert 0 < int(keep.sum()) < 12 and not keep[::3].any()
+    assert walked == [int(keep.sum())]
+    alone = certifier.certify(x[keep], y[keep])
+    assert alone.bounded.all()
+    assert torch.equal(mixed.radius()[keep], alone.radius())
+    assert torch.equal(mixed.feature_radius(EPS)[keep], alone.feature_radius(EPS))
+    assert torch.equal(mixed.certified(EPS)[keep], alone.certified(EPS))
+    assert (mixed.radius()[~keep] == 0).all() and not mixed.certified(EPS)[~keep].any()
+    assert torch.isinf(mixed.feature_radius(EPS)[~keep]).all()
+    walked.clear()
+    wrong = certifier.certify(x[~keep], y[~keep])  # nothing to bound: no walk, no error
+    assert walked == [] and wrong.steps == [] and not wrong.bounded.any()
+    assert (wrong.radius() == 0).all() and not wrong.certified(EPS).any()
+    records, _ = _batch_records(certifier, x, y, list(range(12)), [0.02, 0.1], {})
+    for record, bounded in zip(records, keep.tolist()):
+        for result in record.results.values():
+            assert (result.bound is not None) == bounded
+            assert result.reason == (None if bounded else "misclassified")
 
 def test_first_projection_bound_skips_the_class_token(monkeypatch):
     """The class token enters the first LayerProject unperturbed, so only the patch tokens' norms

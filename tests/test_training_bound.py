@@ -69,7 +69,10 @@ def test_training_bound_agrees_with_the_certifier_stage_by_stage(position_bias):
         model.stages[0].bias.fill_(6.0 / model.config.width ** 0.5)  # patch norms ~6 > R
     x = images(6)
     certifier = Certifier(model, CertifySettings(method=DENSE))
-    certificate = certifier.certify(x, torch.zeros(6, dtype=torch.long))
+    with torch.no_grad():  # at the predicted labels: the certificate bounds every sample
+        predicted = model(x.to(torch.float64)).argmax(dim=1)
+    certificate = certifier.certify(x, predicted)
+    assert certificate.bounded.all()
     bound = TrainingBound(1000, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         _, activations = model.forward_with_activations(x)

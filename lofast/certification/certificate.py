@@ -150,14 +150,18 @@ class CertifySettings:
 class BatchCertificate:
     """Certificates of a batch; every per-stage quantity is eps-independent.
 
-    margins (B, C): z_y - z_j, +inf at j = y; pair_norms (B, C): ||w_y - w_j||; steps: the radius
-    maps from the image to the pooled features.
+    margins (B, C): z_y - z_j, +inf at j = y; pair_norms (B, C): ||w_y - w_j||; bounded (B,)
+    bool: the samples with every margin positive, the only ones a radius can certify; steps:
+    the radius maps from the image to the pooled features of those samples alone (their
+    per-sample quantities have ``bounded.sum()`` rows, in batch order). A misclassified
+    sample, or one tied with another class, gets no bounds: its radius is 0 whatever they are.
     """
 
     labels: Tensor
     predictions: Tensor
     margins: Tensor
     pair_norms: Tensor
+    bounded: Tensor
     steps: list[RadiusMap]
     guarantee: Guarantee
     failure_probability: float  # per sample: union bound over its probabilistic norms
@@ -170,20 +174,34 @@ class BatchCertificate:
 
     def feature_radius(self, eps: Tensor) -> Tensor:
         """Bound on the change of the pooled features, (B, E), for image radii eps (E,), each
-        finite and >= 0 (CertificationError otherwise: the bounds hold for no other radius)."""
+        finite and >= 0 (CertificationError otherwise: the bounds hold for no other radius);
+        +inf for the samples that are not ``bounded``."""
         eps = torch.as_tensor(eps).to(self.margins)
         if eps.dim() != 1 or not bool((torch.isfinite(eps) & (eps >= 0)).all()):
             raise CertificationError(f"eps must be a 1-d tensor of finite radii >= 0, not "
                                      f"{eps.tolist()}")
-        return propagate(self.steps, eps[None, :].expand(len(self.labels), -1))
+        radius = eps.new_full((len(self.labels), len(eps)), math.inf)
+        count = int(self.bounded.sum())
+        if count:
+            radius[self.bounded] = propagate(self.steps, eps[None, :].expand(count, -1))
+        return radius
 
     def certified(self, eps: Tensor) -> Tensor:
-        """(B, E) bool: label kept for every image within l2 distance eps."""
-        return head_certified(self.margins, self.pair_norms, self.feature_radius(eps))
+        """(B, E) bool: label kept for every image within l2 distance eps (never for a sample
+        that is not ``bounded``)."""
+        radius = self.feature_radius(eps)
+        verdicts = torch.zeros(radius.shape, dtype=torch.bool, device=radius.device)
+        rows = self.bounded
+        verdicts[rows] = head_certified(self.margins[rows], self.pair_norms[rows], radius[rows])
+        return verdicts
 
     def radius(self) -> Tensor:
-        """Largest certified radius per sample, (B,) (0 when misclassified)."""
-        return certified_radius(self.steps, self.margins, self.pair_norms)
+        """Largest certified radius per sample, (B,) (0 when not ``bounded``)."""
+        radius = torch.zeros_like(self.margin)
+        rows = self.bounded
+        if bool(rows.any()):
+            radius[rows] = certified_radius(self.steps, self.margins[rows], self.pair_norms[rows])
+        return radius
 
 
 class VerifiedNorms:
@@ -257,20 +275,26 @@ class Certifier:
         logits, activations = self.model.forward_with_activations(x)
         if not torch.isfinite(logits).all():
             raise CertificationError("the model's output is not finite on these images")
-        self.norms.prepare(self.structure)
-        steps = radius_maps(self.structure, activations, self.norms)
+        true_logit = logits.gather(1, labels[:, None])
+        margins = true_logit - logits
+        margins.scatter_(1, labels[:, None], math.inf)
+        # the bounds only for samples a radius can certify: the per-sample work of a model
+        # that gets half the test set wrong halves
+        bounded = (margins > 0).all(dim=1)
+        steps = []
+        if bool(bounded.any()):
+            self.norms.prepare(self.structure)
+            steps = radius_maps(self.structure, activations if bool(bounded.all())
+                                else [a[bounded] for a in activations], self.norms)
         attention = [step for step in steps if isinstance(step, AttentionSensitivity)]
         guarantee = weakest_guarantee(*(step.guarantee for step in attention))
         failure = sum(step.failure_probability for step in attention)
         head: HeadSpec = self.structure[-1]
-        true_logit = logits.gather(1, labels[:, None])
-        margins = true_logit - logits
-        margins.scatter_(1, labels[:, None], math.inf)
         pair_norms = head.pair_norms(labels)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return BatchCertificate(labels=labels, predictions=logits.argmax(dim=1), margins=margins,
-                                pair_norms=pair_norms, steps=steps, guarantee=guarantee,
+                                pair_norms=pair_norms, bounded=bounded, steps=steps, guarantee=guarantee,
                                 failure_probability=failure,
                                 seconds=time.perf_counter() - started)
 

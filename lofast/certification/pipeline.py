@@ -411,7 +411,8 @@ def certified_batches(certifier: Certifier, data: object, indices: Sequence[int]
 def _batch_records(certifier: Certifier, images: Tensor, labels: Tensor, indices: Sequence[int],
                    eps: Sequence[float], run: dict) -> tuple[list[SampleRecord], float]:
     """A record per sample (verdicts, feature radii and certified radius at every eps, keyed by
-    ``eps_key``) and the failure probability; images (B, C, H, W), labels (B,)."""
+    ``eps_key``; no feature radius, and the reason, where the sample is misclassified or tied
+    and so gets no bounds) and the failure probability; images (B, C, H, W), labels (B,)."""
     cert = certifier.certify(images, labels)
     eps_tensor = torch.tensor(list(eps), dtype=torch.float64)
     verdicts = cert.certified(eps_tensor).cpu()
@@ -421,6 +422,14 @@ def _batch_records(certifier: Certifier, images: Tensor, labels: Tensor, indices
     predictions = cert.predictions.cpu()
     per_sample = cert.seconds / len(indices)
     finite = torch.isfinite(feature)  # a bound that overflowed certifies nothing
+    bounded = cert.bounded.cpu()  # the others have no bound: misclassified, or tied
+
+    def unbounded_reason(b: int) -> str:
+        if not bounded[b]:
+            return ("misclassified" if int(predictions[b]) != int(labels[b])
+                    else "tied with another class")
+        return "bound overflow"
+
     records = [
         SampleRecord(
             index=int(i), label=int(labels[b]), prediction=int(predictions[b]),
@@ -429,7 +438,8 @@ def _batch_records(certifier: Certifier, images: Tensor, labels: Tensor, indices
                 certified=bool(verdicts[b, k]),
                 verifier="lofast" if verdicts[b, k] else None,
                 bound=float(feature[b, k]) if finite[b, k] else None,
-                reason=None if finite[b, k] else "bound overflow") for k, e in enumerate(eps)},
+                reason=None if finite[b, k] else unbounded_reason(b))
+                for k, e in enumerate(eps)},
             seconds=per_sample, run=run)
         for b, i in enumerate(indices)]
     return records, cert.failure_probability
