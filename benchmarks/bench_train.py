@@ -3,7 +3,7 @@
     python benchmarks/bench_train.py [--preset paper-d3 | --checkpoint PATH] [--batch-size 256]
         [--steps 20] [--power-iterations 2] [--device auto] [--out bench_train.json]
         [--profile profile.txt] [--compile default|reduce-overhead|max-autotune|cudagraphs ...]
-        [--no-amp]
+        [--no-amp] [--float32-matmul highest|high|medium]
 
 Times full optimisation steps (forward, loss, backward, AdamW) on random CIFAR-sized images, after
 warm-up steps, and extrapolates to one epoch of 50,000 images. Prints a table and writes JSON;
@@ -12,7 +12,11 @@ took the most time (device time on a GPU) to the named file; --compile adds rows
 and the certified step under torch.compile in that mode
 (``lofast.training.objective.CompiledObjective``, as `lofast train --compile`; compilation in
 the warm-up steps, untimed; cudagraphs: CUDA graphs of the captured step without Inductor's
-generated kernels) and their ratio.
+generated kernels) and their ratio. --float32-matmul sets
+``torch.set_float32_matmul_precision`` for every row: "high" lets float32 products (the
+training bound's, which autocast leaves in float32) run in TF32 on a GPU, "medium" in
+bfloat16; the training bound is an estimate, not a certificate, so its precision is a speed
+question (the default "highest" is what `lofast train` runs).
 Each eager row also counts the operators that launch work in one forward and backward pass
 (views and other metadata-only operators left out; the optimizer's few fused kernels too): on
 a GPU a step of these small tensors waits for the host to launch them, so the count predicts
@@ -124,8 +128,12 @@ def main() -> None:
                                               "cudagraphs"], action="append", default=[],
                         help="also time the plain and certified steps under torch.compile "
                              "in this mode (repeatable)")
+    parser.add_argument("--float32-matmul", choices=["highest", "high", "medium"],
+                        default="highest", help="torch.set_float32_matmul_precision for the "
+                        "run (high: TF32 on a GPU)")
     args = parser.parse_args()
 
+    torch.set_float32_matmul_precision(args.float32_matmul)
     device = resolve_device(args.device)
     initial = (load_checkpoint(checkpoint_path(args.checkpoint)) if args.checkpoint
                else create_model(preset(args.preset), seed=0))
@@ -166,6 +174,7 @@ def main() -> None:
               "checkpoint": args.checkpoint,
               "batch_size": args.batch_size, "power_iterations": args.power_iterations,
               "bfloat16_autocast": args.amp and device.type == "cuda",
+              "float32_matmul": args.float32_matmul,
               "rows": rows, "certified_over_plain": ratio,
               "unrefined_over_plain": unrefined,
               "compiled_certified_over_plain": compiled_ratios}
