@@ -374,23 +374,30 @@ def test_a_2_gb_file_without_line_breaks_is_refused_without_reading_it(tmp_path)
 def test_a_bound_that_overflows_certifies_nothing_and_every_record_is_written(data_dir,
                                                                                 tmp_path):
     """Scores of norm 1e150 make every feature bound infinite: no sample is certified, each
-    record says why, and the file is valid JSON (not a ValueError when it is written)."""
+    record says why (the overflow, or a misclassification, for which no bound is computed),
+    and the file is valid JSON (not a ValueError when it is written)."""
+    import torch
+
     from lofast.checkpoint import save_checkpoint
     from lofast.config import preset
     from lofast.models.vit import create_model
 
     model = create_model(preset("tiny", num_classes=4, score_norm=1e150), seed=0)
+    with torch.no_grad():  # class 0 wins everywhere: its four images are bounded
+        model.stages[-1].bias[0] = 10.0
     checkpoint = tmp_path / "huge.safetensors"
     save_checkpoint(checkpoint, model, {"dataset": "folder",
                                         "classes": [f"class{c}" for c in range(4)]})
     out = tmp_path / "r.jsonl"
-    result = invoke(*certify_args(checkpoint, data_dir, "--out", out, "--n", "6", "--json"))
+    result = invoke(*certify_args(checkpoint, data_dir, "--out", out, "--json"))
     assert result.exit_code == 0, result.output
     records = record_lines(out)
-    assert len(records) == 6
-    for r in records:
+    assert len(records) == 16
+    for r in records:  # a misclassified sample gets no bound at all
         assert r["verdicts"] == {"0.1": False} and r["bounds"] == {"0.1": None}
-        assert r["reasons"] == {"0.1": "bound overflow"} and r["radius"] == 0
+        assert r["reasons"] == {"0.1": "bound overflow" if r["prediction"] == r["label"]
+                                else "misclassified"} and r["radius"] == 0
+    assert sum(r["prediction"] == r["label"] for r in records) == 4  # their bounds overflowed
     assert invoke("report", out).exit_code == 0
 
 
