@@ -294,8 +294,8 @@ class Certifier:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return BatchCertificate(labels=labels, predictions=logits.argmax(dim=1), margins=margins,
-                                pair_norms=pair_norms, bounded=bounded, steps=steps, guarantee=guarantee,
-                                failure_probability=failure,
+                                pair_norms=pair_norms, bounded=bounded, steps=steps,
+                                guarantee=guarantee, failure_probability=failure,
                                 seconds=time.perf_counter() - started)
 
     def _check_inputs(self, images: Tensor, labels: Tensor) -> None:
