@@ -359,9 +359,9 @@ def main() -> None:
 
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     device = resolve_device(args.device)
-    batch_size = args.batch_size or default_batch_size(device)
     checkpoint = checkpoint_path(args.checkpoint)
     model = load_checkpoint(checkpoint, device)
+    batch_size = args.batch_size or default_batch_size(device, model.config.num_tokens)
     if args.data is None:
         data, data_name = load_bundled_sample(), "the bundled CIFAR-10 test sample"
     else:

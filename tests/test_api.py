@@ -334,3 +334,28 @@ def test_readme_example_runs_as_written(one_thread, capsys):
     assert "import lofast" in code
     exec(compile(code, str(README), "exec"), {})  # noqa: S102 - the README example, as written
     assert capsys.readouterr().out.strip(), "the example prints its results"
+
+
+def test_the_default_batch_size_follows_the_device_and_the_token_count(checkpoint, data_dir,
+                                                                      monkeypatch):
+    """64 on a CPU up to 65 tokens, 16 above (there a larger batch only adds memory), 1024 on a
+    GPU; the pipeline asks with its model's token count."""
+    import torch
+
+    from lofast import runtime
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [runtime.default_batch_size(cpu, n) for n in (5, 17, 65, 66, 257)] == [
+        64, 64, 64, 16, 16]
+    assert runtime.default_batch_size(cuda, 257) == 1024
+    asked = []
+    original = runtime.default_batch_size
+
+    def recording(device, tokens):
+        asked.append((device.type, tokens))
+        return original(device, tokens)
+
+    monkeypatch.setattr(runtime, "default_batch_size", recording)
+    run = lofast.certify(checkpoint, data_dir, eps=0.1, n=3, dataset="folder")
+    assert asked == [("cpu", lofast.load_model(checkpoint).config.num_tokens)]
+    assert len(run.records) == 3

@@ -90,7 +90,6 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
                                   "another --out")
             merged_out, out = out, out.with_name(f"{out.name}.rank{ranks[0]}of{ranks[1]}")
     device = resolve_device(config.device)
-    batch_size = config.batch_size or default_batch_size(device)
     if config.fallback is not None:
         from lofast.crown import INSTALL_HINT, crown_available
 
@@ -98,6 +97,7 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
             raise LofastError(f"--fallback {config.fallback} needs auto_LiRPA; install it "
                               f"with: {INSTALL_HINT}")
     model, metadata, digest = load_source(config.checkpoint)
+    batch_size = config.batch_size or default_batch_size(device, model.config.num_tokens)
     data, order = load_samples(model, metadata, config.data, config.dataset, config.split,
                                config.limit, config.classes_unchecked)
     certifier = Certifier(model, config.settings, device)

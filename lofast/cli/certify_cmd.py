@@ -90,7 +90,8 @@ def exit_if_unmet(lines: list[str]) -> None:
               help="Certify the first N samples of the class-balanced order (i-th image of "
                    "every class in turn).")
 @click.option("--batch-size", type=click.IntRange(1, MAX_BATCH_SIZE), default=None,
-              help="Samples certified together (default: 64 on CPU, 1024 on a GPU).")
+              help="Samples certified together (default: 64 on CPU, 16 for a model of more "
+                   "than 65 tokens; 1024 on a GPU).")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--bound", type=click.Choice(BOUNDS), default=CERTIFY_DEFAULTS.bound.value,
               show_default=True,

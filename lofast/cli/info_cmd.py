@@ -109,7 +109,8 @@ def show_attention(model, meta, data_path, dataset, split, limit, eps_values, ba
     x, y = data.subset(order).to_tensors()
     with phase_progress(console) as progress:
         report = attention_report(model, x, y, eps=sorted(set(eps_values)), settings=settings,
-                                  batch_size=batch_size or default_batch_size(dev), device=dev,
+                                  batch_size=batch_size or default_batch_size(
+                                      dev, model.config.num_tokens), device=dev,
                                   progress=progress)
     stdout.print(attention_table(report))
     stdout.print(ablation_table(report))
