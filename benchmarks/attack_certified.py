@@ -32,6 +32,7 @@ import sys
 import torch
 from bench_tokens import SHAPES  # beside this script
 from live_attention import score_spectra, with_live_attention  # beside this script
+from measure import output_file  # beside this script
 
 from lofast.certification.attack import pgd_l2
 from lofast.certification.certificate import Certifier, CertifySettings
@@ -58,7 +59,7 @@ def main() -> None:
     parser.add_argument("--search", choices=["float32", "float64"], default="float32",
                         help="the precision of the attack's gradient steps (every break is "
                              "checked in float64)")
-    parser.add_argument("--out", default="attack_certified.json")
+    parser.add_argument("--out", type=output_file, default="attack_certified.json")
     parser.add_argument("--live-attention", type=float, default=None, metavar="K",
                         help="switch attention on: ||A_l|| / s = K in every block")
     parser.add_argument("--seed", type=int, default=0, help="seed of --live-attention and of the --tokens model")

@@ -41,7 +41,7 @@ import time
 
 import torch
 from live_attention import with_live_attention  # beside this script
-from measure import profile_table, timed  # beside this script
+from measure import output_file, profile_table, timed  # beside this script
 
 from lofast.bounds.attention import attention_sensitivity
 from lofast.bounds.attention_spec import AttentionSpec
@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="16,64,256")
     parser.add_argument("--n", type=int, default=256)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--out", default="bench_certify.json")
+    parser.add_argument("--out", type=output_file, default="bench_certify.json")
     parser.add_argument("--live-attention", type=float, default=None, metavar="K",
                         help="switch attention on: ||A_l|| / s = K in every block")
     parser.add_argument("--seed", type=int, default=0, help="seed of --live-attention")

@@ -23,7 +23,7 @@ import json
 import platform
 
 import torch
-from measure import timed  # beside this script
+from measure import output_file, timed  # beside this script
 from torch import nn
 
 from lofast.checkpoint import checkpoint_path, load_checkpoint
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--out", default="bench_forward.json")
+    parser.add_argument("--out", type=output_file, default="bench_forward.json")
     args = parser.parse_args()
     device = resolve_device(args.device)
     def loaded() -> nn.Module:

@@ -20,7 +20,7 @@ import argparse
 import json
 
 import torch
-from measure import timed  # beside this script
+from measure import output_file, timed  # beside this script
 
 from lofast.bounds import spectral
 from lofast.runtime import resolve_device
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--tokens", default="17,65,257")
-    parser.add_argument("--out", default="bench_small_norms.json")
+    parser.add_argument("--out", type=output_file, default="bench_small_norms.json")
     args = parser.parse_args()
     device = resolve_device(args.device)
     generator = torch.Generator(device=device).manual_seed(0)

@@ -39,7 +39,7 @@ import math
 import platform
 
 import torch
-from measure import profile_table, timed  # beside this script
+from measure import output_file, profile_table, timed  # beside this script
 
 from lofast.bounds import first_order
 from lofast.certification.certificate import Certifier, CertifySettings
@@ -114,7 +114,7 @@ def main() -> None:
                         help="add each row's profile table of ROWS operators")
     parser.add_argument("--workspace-mib", default=None,
                         help="comma-separated chunk workspaces in MiB (default: the library's)")
-    parser.add_argument("--out", default="bench_tokens.json")
+    parser.add_argument("--out", type=output_file, default="bench_tokens.json")
     args = parser.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     if any(t not in SHAPES for t in tokens):

@@ -34,7 +34,7 @@ import platform
 import time
 
 import torch
-from measure import profile_table, sync  # beside this script
+from measure import output_file, profile_table, sync  # beside this script
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lofast.checkpoint import checkpoint_path, load_checkpoint
@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--power-iterations", type=int, default=2)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--out", default="bench_train.json")
+    parser.add_argument("--out", type=output_file, default="bench_train.json")
     parser.add_argument("--profile", help="write a torch.profiler table of certified steps here")
     parser.add_argument("--no-amp", dest="amp", action="store_false",
                         help="float32 on a GPU too (as `lofast train --no-amp`; by default the "

@@ -1,13 +1,29 @@
 """(helper) How the benchmarks measure: wall-clock seconds with the device synchronised, and
-torch.profiler's table of the operators that took the most time of their own."""
+torch.profiler's table of the operators that took the most time of their own; where they write
+their figures (``output_file``)."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+
+def output_file(value: str) -> str:
+    """argparse type of an --out file: its folder is made (with parents) and must be writable,
+    so that a run of minutes cannot end in a traceback instead of its figures."""
+    folder = os.path.dirname(os.path.abspath(value))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot make the folder of {value}: {error.strerror}")
+    if os.path.isdir(value) or not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {value}")
+    return value
 
 
 def sync(device: torch.device) -> None:

@@ -26,6 +26,7 @@ import json
 import math
 
 import torch
+from measure import output_file  # beside this script
 from torch.func import jvp, vjp
 
 from lofast.bounds.spectral import SpectralMethod, power_norm
@@ -42,7 +43,7 @@ def main() -> None:
     parser.add_argument("--jacobians", type=int, default=0, metavar="K",
                         help="Jacobian norms of every stage and every prefix on the first K "
                              "images (slow: about 10 s an image for a 17-token model)")
-    parser.add_argument("--out", default="radius_budget.json")
+    parser.add_argument("--out", type=output_file, default="radius_budget.json")
     args = parser.parse_args()
     if not 0 <= args.jacobians <= args.n:
         parser.error(f"--jacobians must lie between 0 and --n ({args.n}), not {args.jacobians}")

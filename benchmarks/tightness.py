@@ -20,6 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
+from measure import output_file  # beside this script
+
 import lofast
 from lofast.certification.attention_report import ablate_attention, mean_attention
 from lofast.checkpoint import list_models, shipped_path
@@ -41,7 +43,7 @@ def main() -> None:
     parser.add_argument("--restarts", type=int, default=2)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--work", default="runs/tightness")
-    parser.add_argument("--out", default="tightness.json")
+    parser.add_argument("--out", type=output_file, default="tightness.json")
     args = parser.parse_args()
 
     checkpoints = ([Path(c) for c in args.checkpoint] if args.checkpoint

@@ -518,3 +518,31 @@ def test_a_schema_1_file_resumes_as_schema_1(checkpoint, data_dir, tmp_path):
     newer = tmp_path / "newer.jsonl"
     newer.write_text('{"schema": 3, "eps": ["0.1"], "run": {}}\n')
     assert_one_clear_error(invoke("report", newer), "schema 3")
+
+
+def test_a_benchmark_checks_its_out_file_before_it_measures(tmp_path):
+    """A benchmark runs for minutes: an --out it cannot write stops it at the argument check with
+    one error line (argparse's exit 2), and an --out in a folder not yet made gets the folder."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    benchmarks = Path(__file__).parents[1] / "benchmarks"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out in (blocker / "figures.json", tmp_path):  # under a file; a folder
+        result = subprocess.run([sys.executable, str(benchmarks / "bench_tokens.py"), "--out",
+                                 str(out)], check=False, capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr
+        assert result.stderr.strip().splitlines()[-1].startswith(
+            "bench_tokens.py: error: argument --out:"), result.stderr
+    sys.path.insert(0, str(benchmarks))
+    try:
+        from measure import output_file
+    finally:
+        sys.path.remove(str(benchmarks))
+    target = tmp_path / "new" / "deeper" / "figures.json"
+    assert output_file(str(target)) == str(target)
+    assert target.parent.is_dir() and not target.exists()
