@@ -143,14 +143,15 @@ def test_the_chunk_planner_counts_what_the_jacobian_products_hold(n, d, h, dh, c
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_token_mixing_is_the_same_per_sample_and_for_the_whole_batch(batch):
-    """``_mix_tokens``' two ways (a product per sample on a CPU, one for the batch elsewhere)
-    give P_l V_le exactly, against an einsum."""
+@pytest.mark.parametrize("count", [4, 7])  # fewer vectors than the 5 tokens, and more
+def test_token_mixing_is_the_same_per_sample_and_for_the_whole_batch(batch, count):
+    """``_mix_tokens``' ways (per sample on a CPU: a product per head where n > k, per head and
+    feature where not; one for the batch elsewhere) give P_l V_le exactly, against an einsum."""
     from lofast.bounds.near_reference import _mix_tokens
 
     g = torch.Generator().manual_seed(batch)
     probs = torch.softmax(torch.randn(batch, 2, 5, 5, generator=g, dtype=F64), dim=-1)
-    value = torch.randn(2, 3, 5, 4, generator=g, dtype=F64)
+    value = torch.randn(2, 3, 5, count, generator=g, dtype=F64)
     expected = torch.einsum("blim,lemj->bleij", probs, value)
     for per_sample in (True, False):
         assert torch.allclose(_mix_tokens(probs, value, per_sample), expected, rtol=1e-14,

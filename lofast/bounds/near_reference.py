@@ -248,15 +248,27 @@ def _mix_tokens(probs: Tensor, value: Tensor, per_sample: bool | None = None) ->
     """P_l V_le for every sample, head l and feature e: probs (B, h, n, n), value
     (h, dv, n, k), shared by the samples -> (B, h, dv, n, k) [b, l, e, i, j].
 
-    per_sample (default: on a CPU): one batched product over (l, e) per sample, where
-    broadcasting the shared value over the samples would copy it once per sample; elsewhere one
-    product for the whole batch (a GPU's chunks hold hundreds of samples, and copying is
-    cheaper there than a launch per sample)."""
+    per_sample (default: on a CPU): products per sample, where broadcasting the shared value
+    over the samples would copy it once per sample; elsewhere one product for the whole batch
+    (a GPU's chunks hold hundreds of samples, and copying is cheaper there than a launch per
+    sample). Per sample, with more tokens than vectors (n > k), P_l multiplies all of its
+    head's features at once, (n x n) by (n x dv k), and the result is transposed into place
+    (h n dv k copied a sample); with fewer, one product per head and feature copies P_l dv
+    times (h dv n^2). At 257 tokens, k = 32 the first copies 8 times less and its products
+    are wide (two EPYC threads: ~20 against ~70 ms a sample a block). Every entry is the same
+    sum of n products either way."""
     if not (probs.device.type == "cpu" if per_sample is None else per_sample):
         return torch.matmul(probs[:, :, None], value)
     batch, heads, n, _ = probs.shape
     _, dv, _, count = value.shape
     out = value.new_empty(batch, heads, dv, n, count)
+    if n > count:
+        token_major = value.transpose(1, 2).reshape(heads, n, dv * count)  # [l, m, (e, j)]
+        product = value.new_empty(heads, n, dv * count)
+        for b in range(batch):
+            torch.bmm(probs[b], token_major, out=product)
+            out[b].copy_(product.view(heads, n, dv, count).transpose(1, 2))
+        return out
     flat = value.view(heads * dv, n, count)
     for b in range(batch):
         torch.bmm(probs[b, :, None].expand(heads, dv, n, n).reshape(heads * dv, n, n), flat,
@@ -425,11 +437,13 @@ def jacobian_working_elements(count: int, data: JacobianData, softmax: bool) -> 
     scores = (heads * n * n + 4 * heads * dh * n if adjoint_by_projections(data)
               else 3 * heads * n * n)  # the adjoint's left factor, or its two halves twice
     per_vector = 2 * n * d + 2 * heads * dv * n + (scores + heads * dv * n if softmax else 0)
-    # and per sample: P_l expanded over the value features (``_mix_tokens`` on a CPU), with the
+    # and per sample: ``_mix_tokens``' copies on a CPU (the values token-major and a head's
+    # product, h n dv k each, where n > k, else P_l expanded over the value features), with the
     # softmax part X Wv_l / s twice, the adjoint's right factor X Wk_l Wq_l^T, X Wq_l Wk_l^T
     # (2 h n d) twice and the covariances with their outer products (h n dh dv each)
-    per_sample = heads * dv * n * n + (2 * heads * n * dv + 4 * heads * n * d
-                                       + 2 * heads * n * dh * dv if softmax else 0)
+    mixing = 2 * heads * n * dv * count if n > count else heads * dv * n * n
+    per_sample = mixing + (2 * heads * n * dv + 4 * heads * n * d
+                           + 2 * heads * n * dh * dv if softmax else 0)
     return count * per_vector + per_sample
 
 
