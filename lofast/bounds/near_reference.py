@@ -437,11 +437,12 @@ def jacobian_working_elements(count: int, data: JacobianData, softmax: bool) -> 
     scores = (heads * n * n + 4 * heads * dh * n if adjoint_by_projections(data)
               else 3 * heads * n * n)  # the adjoint's left factor, or its two halves twice
     per_vector = 2 * n * d + 2 * heads * dv * n + (scores + heads * dv * n if softmax else 0)
-    # and per sample: ``_mix_tokens``' copies on a CPU (the values token-major and a head's
-    # product, h n dv k each, where n > k, else P_l expanded over the value features), with the
+    # and per sample: ``_mix_tokens``' copies (on a CPU with n > k the values token-major and
+    # a head's product, h n dv k each; else P_l expanded over the value features), with the
     # softmax part X Wv_l / s twice, the adjoint's right factor X Wk_l Wq_l^T, X Wq_l Wk_l^T
     # (2 h n d) twice and the covariances with their outer products (h n dh dv each)
-    mixing = 2 * heads * n * dv * count if n > count else heads * dv * n * n
+    by_heads = data.probs.device.type == "cpu" and n > count
+    mixing = 2 * heads * n * dv * count if by_heads else heads * dv * n * n
     per_sample = mixing + (2 * heads * n * dv + 4 * heads * n * d
                            + 2 * heads * n * dh * dv if softmax else 0)
     return count * per_vector + per_sample
