@@ -244,25 +244,34 @@ def project_basis(basis: Tensor, projections: Tensor, heads: int,
         key=k.reshape(n, count, heads, dh).permute(2, 3, 1, 0).reshape(heads, dh, count * n))
 
 
+def mixing_route(device: torch.device, n: int, count: int,
+                 per_sample: bool | None = None) -> str:
+    """How ``_mix_tokens`` forms P_l V_le for n tokens and count vectors k: "batch", one product
+    for the whole batch (off the CPU, or per_sample=False); per sample, "heads" where n > k,
+    (n x n) by (n x dv k) a head and the result transposed into place (h n dv k copied a
+    sample), else "features", a product per head and feature that copies P_l dv times
+    (h dv n^2). At 257 tokens, k = 32 "heads" copies 8 times less and its products are wide
+    (two EPYC threads: 9 against 44-63 ms a sample a block); at 17 tokens, k = 288 "features"
+    is faster (3.4-3.8 against 4.6-4.7 ms)."""
+    if not (device.type == "cpu" if per_sample is None else per_sample):
+        return "batch"
+    return "heads" if n > count else "features"
+
+
 def _mix_tokens(probs: Tensor, value: Tensor, per_sample: bool | None = None) -> Tensor:
     """P_l V_le for every sample, head l and feature e: probs (B, h, n, n), value
-    (h, dv, n, k), shared by the samples -> (B, h, dv, n, k) [b, l, e, i, j].
-
-    per_sample (default: on a CPU): products per sample, where broadcasting the shared value
-    over the samples would copy it once per sample; elsewhere one product for the whole batch
-    (a GPU's chunks hold hundreds of samples, and copying is cheaper there than a launch per
-    sample). Per sample, with more tokens than vectors (n > k), P_l multiplies all of its
-    head's features at once, (n x n) by (n x dv k), and the result is transposed into place
-    (h n dv k copied a sample); with fewer, one product per head and feature copies P_l dv
-    times (h dv n^2). At 257 tokens, k = 32 the first copies 8 times less and its products
-    are wide (two EPYC threads: ~20 against ~70 ms a sample a block). Every entry is the same
-    sum of n products either way."""
-    if not (probs.device.type == "cpu" if per_sample is None else per_sample):
+    (h, dv, n, k), shared by the samples -> (B, h, dv, n, k) [b, l, e, i, j], by
+    ``mixing_route``. per_sample (default: on a CPU): products per sample, where broadcasting
+    the shared value over the samples would copy it once per sample; elsewhere one product for
+    the whole batch (a GPU's chunks hold hundreds of samples, and copying is cheaper there than
+    a launch per sample). Every entry is the same sum of n products on every route."""
+    route = mixing_route(probs.device, probs.shape[-1], value.shape[-1], per_sample)
+    if route == "batch":
         return torch.matmul(probs[:, :, None], value)
     batch, heads, n, _ = probs.shape
     _, dv, _, count = value.shape
     out = value.new_empty(batch, heads, dv, n, count)
-    if n > count:
+    if route == "heads":
         token_major = value.transpose(1, 2).reshape(heads, n, dv * count)  # [l, m, (e, j)]
         product = value.new_empty(heads, n, dv * count)
         for b in range(batch):
@@ -437,11 +446,11 @@ def jacobian_working_elements(count: int, data: JacobianData, softmax: bool) -> 
     scores = (heads * n * n + 4 * heads * dh * n if adjoint_by_projections(data)
               else 3 * heads * n * n)  # the adjoint's left factor, or its two halves twice
     per_vector = 2 * n * d + 2 * heads * dv * n + (scores + heads * dv * n if softmax else 0)
-    # and per sample: ``_mix_tokens``' copies (on a CPU with n > k the values token-major and
-    # a head's product, h n dv k each; else P_l expanded over the value features), with the
+    # and per sample: ``_mix_tokens``' copies (route "heads": the values token-major and a
+    # head's product, h n dv k each; else P_l expanded over the value features), with the
     # softmax part X Wv_l / s twice, the adjoint's right factor X Wk_l Wq_l^T, X Wq_l Wk_l^T
     # (2 h n d) twice and the covariances with their outer products (h n dh dv each)
-    by_heads = data.probs.device.type == "cpu" and n > count
+    by_heads = mixing_route(data.probs.device, n, count) == "heads"
     mixing = 2 * heads * n * dv * count if by_heads else heads * dv * n * n
     per_sample = mixing + (2 * heads * n * dv + 4 * heads * n * d
                            + 2 * heads * n * dh * dv if softmax else 0)
