@@ -83,9 +83,9 @@
 # LIVE, LIVE_N, LIVE_BATCH, FORWARD, ATTACK, ATTACK_STEPS, ATTACK_RESTARTS, ATTACK_SECONDS,
 # CHECKPOINTS, CHECKPOINT_GUARANTEES, CHECKPOINT_N, CHECKPOINT_SECONDS, NORMS, TESTS,
 # TESTS_SECONDS, LR (the recipe's learning rate, default 2e-3; a CPU ablation favoured 1.6e-2
-# to 3.2e-2), TEMPERATURE (the certified loss's, default 0.25; the CPU ablation favoured
-# 0.0625 at lr 1.6e-2), BATCH (its batch size, default 250; 1000 also divides the training set, 4.1x the
-# images/s eager), LIMIT (certify only the first LIMIT test images; default all),
+# to 3.2e-2), TEMPERATURE (the certified loss's, default 0.25; a CPU ablation favoured 0.0625
+# at lr 1.6e-2), BATCH (its batch size, default 250; 1000 also divides the training set, 4.1x
+# the images/s eager), LIMIT (certify only the first LIMIT test images; default all),
 # PASS_SECONDS, TRAIN_ARGS, INIT, EPOCHS, PART_MIB (default 15). With DEVICE=cpu
 # and a small LIMIT and PASS_SECONDS it runs anywhere, which is how it is tested. Needs python3
 # with torch and lofast's dependencies; lofast itself is taken from this checkout.
