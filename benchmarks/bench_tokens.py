@@ -19,8 +19,9 @@ the device libraries' start-up.
 
 --workspace-mib M1,M2,... repeats every row with the certifier's chunk workspace set to each
 size (``first_order.DEVICE_WORKSPACE_ELEMENTS`` on an accelerator, ``CPU_WORKSPACE_ELEMENTS``
-on a CPU; default: the library's): how many samples its products and Lanczos bases take at
-once (at 257 tokens the 512 MiB default holds one sample's Jacobian products).
+on a CPU; default: the library's, on a GPU 1/16 of its memory within 512 MiB-4 GiB): how many
+samples its products and Lanczos bases take at once (at 257 tokens 512 MiB holds one sample's
+Jacobian products).
 
 --profile ROWS adds, to each row, torch.profiler's table of one more certification of the
 --large images by the last model's Certifier (its proofs made): the ROWS operators with the
@@ -79,7 +80,7 @@ def measure(tokens: int, guarantee: str, args: argparse.Namespace,
                                     rows=args.profile, shapes=True)
         profile = f"one certification of {args.large} images, sorted by {sort}\n{table}"
     budget = (first_order.CPU_WORKSPACE_ELEMENTS if device.type == "cpu"
-              else first_order.DEVICE_WORKSPACE_ELEMENTS)
+              else first_order.device_workspace_elements(device))
     return {"tokens": tokens, "image_size": size, "patch_size": patch, "guarantee": guarantee,
             "workspace_mib": 8 * budget / 2 ** 20,
             "ms_per_sample": 1e3 * sum(per_sample) / len(per_sample),

@@ -29,12 +29,31 @@ from lofast.bounds.verified import gamma, verified_norm_from_negated_gram
 
 # Working memory (float64 elements) for one chunk of samples in a matrix-free norm computation.
 # On a CPU the Lanczos basis of a chunk should stay in the last-level cache (2^21 = 16 MiB): the
-# reorthogonalisation is memory-bound and runs ~2.5x faster than from main memory. On an
-# accelerator larger chunks (2^26 = 512 MiB) keep it busy.
+# reorthogonalisation is memory-bound and runs ~2.5x faster than from main memory.
 CPU_WORKSPACE_ELEMENTS = 1 << 21
 
 
-DEVICE_WORKSPACE_ELEMENTS = 1 << 26
+# On an accelerator every chunk costs a fixed number of kernel launches, whatever its size: at
+# 257 tokens a chunk of one sample (512 MiB holds one sample's Jacobian products there) runs
+# about 730 operators a sample a block, one of 8 or more about 44 (counted at width 128, 8
+# heads, on the accelerator's code path). So the workspace grows with the device's memory:
+# 1/16 of it, from 512 MiB (2^26 elements) to 4 GiB (2^29), or DEVICE_WORKSPACE_ELEMENTS if set.
+DEVICE_WORKSPACE_ELEMENTS: int | None = None
+DEVICE_WORKSPACE_SHARE = 16
+DEVICE_WORKSPACE_RANGE = (1 << 26, 1 << 29)
+
+
+def device_workspace_elements(device: torch.device) -> int:
+    """Float64 elements a chunk of samples may hold on ``device`` (not a CPU):
+    DEVICE_WORKSPACE_ELEMENTS where set, else 1/DEVICE_WORKSPACE_SHARE of a CUDA device's
+    memory clamped to DEVICE_WORKSPACE_RANGE, and the range's low end on other devices."""
+    if DEVICE_WORKSPACE_ELEMENTS is not None:
+        return DEVICE_WORKSPACE_ELEMENTS
+    low, high = DEVICE_WORKSPACE_RANGE
+    if device.type != "cuda":
+        return low
+    total = torch.cuda.get_device_properties(device).total_memory
+    return min(max(total // (8 * DEVICE_WORKSPACE_SHARE), low), high)
 
 
 # The verified zeta works on explicit nd x nd Gram matrices (3.3 MB each for nd = 640). On a CPU
@@ -260,7 +279,8 @@ def verified_first_order_norm(probs: Tensor, f: FirstOrderFactors, method: Spect
     of it keeps the bound without Lanczos."""
     batch, _, n, _ = probs.shape
     dim = n * f.direction.shape[0]
-    budget = VERIFIED_CPU_ELEMENTS if probs.device.type == "cpu" else DEVICE_WORKSPACE_ELEMENTS
+    budget = (VERIFIED_CPU_ELEMENTS if probs.device.type == "cpu"
+              else device_workspace_elements(probs.device))
     size = min(batch, max(1, budget // (3 * dim * dim + method.estimate_steps * dim)))
     noise = fixed_unit_vector(dim, probs.device)
     along = along_or_default(f, probs, along)
@@ -417,7 +437,8 @@ def mix_heads(probs: Tensor, G: Tensor, first: Tensor, second: Tensor) -> Tensor
 def sample_chunks(total: int, per_item: int, device: torch.device) -> list[slice]:
     """Consecutive slices of range(total) whose working memory (per_item float64 elements each)
     fits the device's workspace (at least one item per slice)."""
-    budget = CPU_WORKSPACE_ELEMENTS if device.type == "cpu" else DEVICE_WORKSPACE_ELEMENTS
+    budget = (CPU_WORKSPACE_ELEMENTS if device.type == "cpu"
+              else device_workspace_elements(device))
     size = max(1, budget // max(1, per_item))
     return [slice(start, min(start + size, total)) for start in range(0, total, size)]
 
