@@ -35,8 +35,8 @@ CPU_WORKSPACE_ELEMENTS = 1 << 21
 
 # On an accelerator every chunk costs a fixed number of kernel launches, whatever its size: at
 # 257 tokens a chunk of one sample (512 MiB holds one sample's Jacobian products there) runs
-# about 730 operators a sample a block, one of 8 or more about 44 (counted at width 128, 8
-# heads, on the accelerator's code path). So the workspace grows with the device's memory:
+# about 730 operators a sample a block, a chunk of 12 samples 44 a sample (counted at width
+# 128, 8 heads, on the accelerator's code path). So the workspace grows with the device's memory:
 # 1/16 of it, from 512 MiB (2^26 elements) to 4 GiB (2^29), or DEVICE_WORKSPACE_ELEMENTS if set.
 DEVICE_WORKSPACE_ELEMENTS: int | None = None
 DEVICE_WORKSPACE_SHARE = 16
