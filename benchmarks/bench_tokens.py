@@ -79,8 +79,7 @@ def measure(tokens: int, guarantee: str, args: argparse.Namespace,
         table, sort = profile_table(device, lambda: certifier.certify(images, labels),
                                     rows=args.profile, shapes=True)
         profile = f"one certification of {args.large} images, sorted by {sort}\n{table}"
-    budget = (first_order.CPU_WORKSPACE_ELEMENTS if device.type == "cpu"
-              else first_order.device_workspace_elements(device))
+    budget = first_order.workspace_elements(device)
     return {"tokens": tokens, "image_size": size, "patch_size": patch, "guarantee": guarantee,
             "workspace_mib": 8 * budget / 2 ** 20,
             "ms_per_sample": 1e3 * sum(per_sample) / len(per_sample),

@@ -85,10 +85,11 @@
 # TESTS_SECONDS, LR (the recipe's learning rate, default 2e-3; a CPU ablation favoured 1.6e-2
 # to 3.2e-2), TEMPERATURE (the certified loss's, default 0.25; a CPU ablation favoured 0.0625
 # at lr 1.6e-2), BATCH (its batch size, default 250; 500 and 1000 also divide the training set;
-# at equal steps and lr 1.6e-2 x BATCH / 250 a CPU screen certified 1.2 / 1.6 points more), LIMIT (certify only the first LIMIT test images; default all),
-# PASS_SECONDS, TRAIN_ARGS, INIT, EPOCHS, PART_MIB (default 15). With DEVICE=cpu
-# and a small LIMIT and PASS_SECONDS it runs anywhere, which is how it is tested. Needs python3
-# with torch and lofast's dependencies; lofast itself is taken from this checkout.
+# at equal steps and lr 1.6e-2 x BATCH / 250 a CPU screen certified 1.2 / 1.6 points more),
+# LIMIT (certify only the first LIMIT test images; default all), PASS_SECONDS, TRAIN_ARGS, INIT,
+# EPOCHS, PART_MIB (default 15). With DEVICE=cpu and a small LIMIT and PASS_SECONDS it runs
+# anywhere, which is how it is tested. Needs python3 with torch and lofast's dependencies;
+# lofast itself is taken from this checkout.
 set -uo pipefail
 if [ $# -lt 2 ]; then
     echo "usage: bash benchmarks/gpu_check.sh DATA OUT [STATE]" >&2

@@ -142,7 +142,6 @@ def test_the_chunk_planner_counts_what_the_jacobian_products_hold(n, d, h, dh, c
         assert 0.5 * planned <= peak <= planned, (softmax, peak, planned)
 
 
-
 def test_the_device_workspace_grows_with_the_devices_memory(monkeypatch):
     """Off the CPU a chunk of samples may hold 1/16 of a CUDA device's memory, from 512 MiB to
     4 GiB (a chunk costs its kernel launches whatever its size, and at 257 tokens 512 MiB holds
@@ -157,8 +156,8 @@ def test_the_device_workspace_grows_with_the_devices_memory(monkeypatch):
     for total, expected in ((80 * gib, 4 * gib), (141 * gib, 4 * gib), (16 * gib, gib),
                             (24 * gib, 1.5 * gib), (4 * gib, 0.5 * gib)):
         memory["total"] = total
-        assert 8 * first_order.device_workspace_elements(cuda) == expected, total
-    assert 8 * first_order.device_workspace_elements(torch.device("mps")) == 0.5 * gib
+        assert 8 * first_order.workspace_elements(cuda) == expected, total
+    assert 8 * first_order.workspace_elements(torch.device("mps")) == 0.5 * gib
     per_sample = 37 * 2 ** 20  # about a 257-token sample's Jacobian products
     assert len(first_order.sample_chunks(16, per_sample, cuda)) == 16  # a 4 GiB device: 1 each
     memory["total"] = 80 * gib
@@ -167,6 +166,10 @@ def test_the_device_workspace_grows_with_the_devices_memory(monkeypatch):
     assert len(first_order.sample_chunks(16, per_sample, cuda)) == 16
     assert first_order.sample_chunks(16, per_sample, torch.device("cpu")) == [
         slice(i, i + 1) for i in range(16)]  # the CPU's own budget: 16 MiB
+    monkeypatch.setattr(first_order, "CPU_WORKSPACE_ELEMENTS", 1 << 29)  # as a benchmark sets it
+    assert len(first_order.sample_chunks(16, per_sample, torch.device("cpu"))) == 2
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("count", [4, 7])  # fewer vectors than the 5 tokens, and more
 def test_token_mixing_is_the_same_per_sample_and_for_the_whole_batch(batch, count):

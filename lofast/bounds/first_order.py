@@ -43,10 +43,13 @@ DEVICE_WORKSPACE_SHARE = 16
 DEVICE_WORKSPACE_RANGE = (1 << 26, 1 << 29)
 
 
-def device_workspace_elements(device: torch.device) -> int:
-    """Float64 elements a chunk of samples may hold on ``device`` (not a CPU):
+def workspace_elements(device: torch.device, cpu: int | None = None) -> int:
+    """Float64 elements a chunk of samples may hold on ``device``: on a CPU ``cpu``, by default
+    CPU_WORKSPACE_ELEMENTS (read at the call, so that a benchmark may set it);
     DEVICE_WORKSPACE_ELEMENTS where set, else 1/DEVICE_WORKSPACE_SHARE of a CUDA device's
     memory clamped to DEVICE_WORKSPACE_RANGE, and the range's low end on other devices."""
+    if device.type == "cpu":
+        return CPU_WORKSPACE_ELEMENTS if cpu is None else cpu
     if DEVICE_WORKSPACE_ELEMENTS is not None:
         return DEVICE_WORKSPACE_ELEMENTS
     low, high = DEVICE_WORKSPACE_RANGE
@@ -279,8 +282,7 @@ def verified_first_order_norm(probs: Tensor, f: FirstOrderFactors, method: Spect
     of it keeps the bound without Lanczos."""
     batch, _, n, _ = probs.shape
     dim = n * f.direction.shape[0]
-    budget = (VERIFIED_CPU_ELEMENTS if probs.device.type == "cpu"
-              else device_workspace_elements(probs.device))
+    budget = workspace_elements(probs.device, cpu=VERIFIED_CPU_ELEMENTS)
     size = min(batch, max(1, budget // (3 * dim * dim + method.estimate_steps * dim)))
     noise = fixed_unit_vector(dim, probs.device)
     along = along_or_default(f, probs, along)
@@ -437,9 +439,7 @@ def mix_heads(probs: Tensor, G: Tensor, first: Tensor, second: Tensor) -> Tensor
 def sample_chunks(total: int, per_item: int, device: torch.device) -> list[slice]:
     """Consecutive slices of range(total) whose working memory (per_item float64 elements each)
     fits the device's workspace (at least one item per slice)."""
-    budget = (CPU_WORKSPACE_ELEMENTS if device.type == "cpu"
-              else device_workspace_elements(device))
-    size = max(1, budget // max(1, per_item))
+    size = max(1, workspace_elements(device) // max(1, per_item))
     return [slice(start, min(start + size, total)) for start in range(0, total, size)]
 
 
