@@ -94,7 +94,8 @@ def train(data: str | Path, out: str | Path, *, dataset: str = "cifar10",
     ablation_margin, ...); preset (default "paper-d3") and model_options (ModelConfig fields),
     or init, a checkpoint to start from (its architecture kept); limit: the first N training
     images; time_limit: seconds, then the state is saved and ``errors.TimeLimitReached`` raised
-    (resume=True continues). Returns the statistics of every epoch. Raises
+    (resume=True continues); on the main thread a Ctrl-C or SIGTERM saves it likewise at the
+    next step and raises ``errors.TrainingInterrupted``, a KeyboardInterrupt. Returns the statistics of every epoch. Raises
     ``errors.ConfigError`` for a bad argument, before any work."""
     try:
         config = TrainConfig(**settings)

@@ -85,25 +85,20 @@ def test_resume_reads_a_state_written_before_a_setting_existed(data_dir, tmp_pat
     assert "epoch 1/2" not in resumed.output and "epoch 2/2" in resumed.output
 
 
-def ctrl_c() -> None:
-    raise KeyboardInterrupt
+TRAIN_ARGS = ["train", "--dataset", "folder", "--preset", "tiny", "--batch-size", "16",
+              "--device", "cpu", "--epochs", "2", "--no-augment"]
 
 
-def sigterm() -> None:
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-@pytest.mark.parametrize("loss, interrupt, exit_code", [
-    ([], ctrl_c, 130),
-    (["--loss", "certified", "--train-eps", "0.1", "--eps-ramp-epochs", "1"], ctrl_c, 130),
-    ([], sigterm, 143),
-])
-def test_resume_after_interrupt_matches_uninterrupted_run(data_dir, tmp_path, monkeypatch, loss,
-                                                          interrupt, exit_code):
+@pytest.mark.parametrize("loss", [
+    [], ["--loss", "certified", "--train-eps", "0.1", "--eps-ramp-epochs", "1"]])
+def test_resume_after_an_immediate_interrupt_matches_uninterrupted_run(data_dir, tmp_path,
+                                                                       monkeypatch, loss):
+    """A KeyboardInterrupt raised where the program is (a second Ctrl-C, or one outside the
+    main thread) right after the first epoch's state was saved: exit 130, no checkpoint, and
+    --resume ends with the uninterrupted run's weights."""
     import lofast.training.loop as train_module
 
-    args = ["train", "--dataset", "folder", "--data", str(data_dir), "--preset", "tiny",
-            "--batch-size", "16", "--device", "cpu", "--epochs", "2", "--no-augment", *loss]
+    args = TRAIN_ARGS + ["--data", str(data_dir), *loss]
     runner = CliRunner()
     straight = tmp_path / "a.safetensors"
     assert runner.invoke(cli, args + ["--out", str(straight)]).exit_code == 0
@@ -114,12 +109,12 @@ def test_resume_after_interrupt_matches_uninterrupted_run(data_dir, tmp_path, mo
     def save_then_interrupt(*a, **k):
         original(*a, **k)
         calls["n"] += 1
-        interrupt()
+        raise KeyboardInterrupt
 
     monkeypatch.setattr(train_module, "save_training_state", save_then_interrupt)
     resumed = tmp_path / "b.safetensors"
     result = runner.invoke(cli, args + ["--out", str(resumed)])
-    assert result.exit_code == exit_code and calls["n"] == 1 and not resumed.exists()
+    assert result.exit_code == 130 and calls["n"] == 1 and not resumed.exists()
     assert "interrupted" in result.output and "Traceback" not in result.output
     monkeypatch.setattr(train_module, "save_training_state", original)
     result = runner.invoke(cli, args + ["--out", str(resumed), "--resume"])
@@ -128,6 +123,76 @@ def test_resume_after_interrupt_matches_uninterrupted_run(data_dir, tmp_path, mo
 
     a, b = load_file(str(straight)), load_file(str(resumed))
     assert all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
+
+
+def signal_at_step(monkeypatch, signum: int, step: int, times: int = 1) -> dict:
+    """Make the training loop's step number ``step`` (1-based, counted over the run) send
+    ``signum`` to this process ``times`` times as the step ends; returns the step count."""
+    import lofast.training.loop as train_module
+
+    original = train_module.training_step
+    calls = {"n": 0}
+
+    def step_then_signal(*a, **k):
+        result = original(*a, **k)
+        calls["n"] += 1
+        if calls["n"] == step:
+            for _ in range(times):
+                os.kill(os.getpid(), signum)
+        return result
+
+    monkeypatch.setattr(train_module, "training_step", step_then_signal)
+    return calls
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_stops_training_at_the_next_step_with_its_state_saved(data_dir, tmp_path,
+                                                                        monkeypatch, signum,
+                                                                        code):
+    """Ctrl-C or SIGTERM in the middle of an epoch (step 3 of 6, certified loss): the step
+    finishes, the state and the weights so far are saved there, the command exits 130 / 143
+    with one line, the handlers in place before are back, and --resume ends with the very
+    weights of an uninterrupted run."""
+    from safetensors.torch import load_file
+
+    args = TRAIN_ARGS + ["--data", str(data_dir), "--loss", "certified", "--train-eps", "0.1"]
+    runner = CliRunner()
+    straight = tmp_path / "a.safetensors"
+    assert runner.invoke(cli, args + ["--out", str(straight)]).exit_code == 0
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    calls = signal_at_step(monkeypatch, signum, 3)
+    cut = tmp_path / "b.safetensors"
+    result = runner.invoke(cli, args + ["--out", str(cut)])
+    name = signal.Signals(signum).name
+    assert result.exit_code == code, result.output
+    assert calls["n"] == 3 and "Traceback" not in result.output
+    assert f"interrupted ({name}) after epoch 1, step 3/6: state saved in" in result.output
+    assert {s: signal.getsignal(s) for s in before} == before
+    meta = read_metadata(cut)
+    assert meta["stopped"] == f"{name} after epoch 1, step 3/6" and meta["epochs"] == 0
+    monkeypatch.undo()
+    result = runner.invoke(cli, args + ["--out", str(cut), "--resume"])
+    assert result.exit_code == 0, result.output
+    assert "stopped" not in read_metadata(cut)
+    a, b = load_file(str(straight)), load_file(str(cut))
+    assert all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
+
+
+def test_a_second_signal_stops_training_at_once(data_dir, tmp_path, monkeypatch):
+    """Two Ctrl-C in one step: the second raises where the program is (Python's own handler,
+    put back by the first), so nothing of the unfinished epoch is saved: exit 130, no
+    checkpoint, no state."""
+    args = TRAIN_ARGS + ["--data", str(data_dir)]
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        calls = signal_at_step(monkeypatch, signal.SIGINT, 3, times=2)
+        out = tmp_path / "b.safetensors"
+        result = CliRunner().invoke(cli, args + ["--out", str(out)])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert result.exit_code == 130 and calls["n"] == 3, result.output
+    assert "interrupted: finished work is saved" in result.output
+    assert not out.exists() and not out.with_name(out.name + ".state.pt").exists()
 
 
 def test_diverging_run_stops_before_saving_its_weights(data_dir, tmp_path, monkeypatch):

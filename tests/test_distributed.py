@@ -224,23 +224,77 @@ def test_torchrun_certified_training(setup, tmp_path):
     assert losses[1] == pytest.approx(losses[0], rel=0.05)
 
 
-@pytest.mark.parametrize(("rank", "code"), [(0, 75), (1, 0)])
-def test_time_limit_stop_exits_75_on_the_leader_only(setup, tmp_path, monkeypatch, rank, code):
+@pytest.mark.parametrize(("stop", "rank", "code", "line"), [
+    ("time limit", 0, 75, "time limit reached after"), ("time limit", 1, 0, None),
+    ("SIGTERM", 0, 143, "interrupted (SIGTERM) after"), ("SIGTERM", 1, 0, None)])
+def test_a_stop_exits_with_its_code_on_the_leader_only(setup, tmp_path, monkeypatch, stop, rank,
+                                                       code, line):
     """torchrun stops every process once one exits with an error, so a process other than the
-    leader, stopped by --time-limit, exits 0 and leaves the leader to save, report and exit 75
-    (a second process exiting 75 first had the leader killed before it could report)."""
+    leader, stopped by --time-limit or a signal, exits 0 and leaves the leader to save, report
+    and exit 75 or 143 (a second process exiting 75 first had the leader killed before it
+    could report)."""
+    import signal
+
     import lofast.distributed
     import lofast.training.pipeline
-    from lofast.errors import TimeLimitReached
+    from lofast.errors import TimeLimitReached, TrainingInterrupted
 
     def stopped(*args, **kwargs):
-        raise TimeLimitReached("epoch 1, step 1/2", [])
+        if stop == "time limit":
+            raise TimeLimitReached("epoch 1, step 1/2", [])
+        raise TrainingInterrupted("epoch 1, step 1/2", [], signal.SIGTERM)
 
     monkeypatch.setattr(lofast.training.pipeline, "run_train", stopped)
     monkeypatch.setattr(lofast.distributed, "torchrun_rank", lambda: (rank, 2))
     result = CliRunner().invoke(cli, train_args(setup, tmp_path / "m.safetensors"))
     assert result.exit_code == code, result.output
-    assert ("time limit reached after epoch 1, step 1/2" in result.output) == (rank == 0)
+    assert (line is not None) == (f"{line} epoch 1, step 1/2" in result.output)
+
+
+# (signal received by process 0 and 1, their deadlines, the stop both must agree on)
+STOP_CASES = [
+    ((0, 0), (None, None), 0),
+    ((0, 0), (None, 0.0), 1),  # one process past its deadline: a time limit for both
+    ((15, 0), (None, None), 15),  # SIGTERM reached one process first
+    ((2, 0), (None, 0.0), 2),  # a signal outranks a time limit
+]
+
+
+def _agree_on_stop(rank: int, store_path: str, answers) -> None:
+    """One process of test_every_process_stops_for_the_same_reason."""
+    import torch.distributed as dist
+
+    from lofast.training.loop import StopSignals, _stop_requested
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank,
+                            world_size=2)
+    try:
+        for received, deadlines, _ in STOP_CASES:
+            signals = StopSignals()
+            signals.received = received[rank]
+            answers.put((rank, _stop_requested(deadlines[rank], signals)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_process_stops_for_the_same_reason(tmp_path):
+    """Two gloo processes: whichever sees a signal or its deadline first, both stop at that step
+    and for the same reason, else one would wait in the next step's gradient reduction."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    answers = context.Queue()
+    processes = [context.Process(target=_agree_on_stop,
+                                 args=(rank, str(tmp_path / "store"), answers))
+                 for rank in range(2)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(120)
+    assert [p.exitcode for p in processes] == [0, 0]
+    got = [answers.get(timeout=5) for _ in range(2 * len(STOP_CASES))]
+    for rank in range(2):
+        assert [code for r, code in got if r == rank] == [agreed for *_, agreed in STOP_CASES]
 
 
 @pytest.mark.slow

@@ -125,7 +125,9 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), required=True,
               help="Checkpoint to write (.safetensors).")
 @click.option("--resume", is_flag=True,
-              help="Continue from OUT.state.pt if an earlier run was interrupted.")
+              help="Continue from OUT.state.pt if an earlier run was stopped. Ctrl-C or "
+                   "SIGTERM stops a run at the next step with its state saved, as a time "
+                   "limit does (exit code 130 / 143); a second one stops it at once.")
 @click.option("--time-limit", type=POSITIVE_NUMBER, default=None,
               metavar="SECONDS",
               help="Stop at the first step after SECONDS (counted from the start), with the "
@@ -141,7 +143,7 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
           ablation_weight, temperature, augment, seed, device, amp, compile_step,
           limit, out, resume, time_limit, overwrite) -> None:
     """Train a Lipschitz ViT on a data set and save it as a checkpoint."""
-    from lofast.errors import TimeLimitReached
+    from lofast.errors import TimeLimitReached, TrainingInterrupted
     from lofast.training.pipeline import run_train
 
     config = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
@@ -163,13 +165,17 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
     with BarProgress(epochs) as progress:
         try:
             history = run_train(config, run, progress, provenance)
-        except TimeLimitReached as stop:
+        except (TimeLimitReached, TrainingInterrupted) as stop:
+            interrupted = isinstance(stop, TrainingInterrupted)
             if progress.leader:
-                console.print(f"time limit reached after {stop}: state saved in {state}, the "
-                              f"weights so far in {out}; rerun with --resume to continue")
+                why = f"interrupted ({stop.reason})" if interrupted else "time limit reached"
+                console.print(f"{why} after {stop}: state saved in {state}, the weights so far "
+                              f"in {out}; rerun with --resume to continue")
             # Under torchrun a process that exits with an error stops the others: the rest
-            # exit 0 and leave the leader, which saves the state, to report and exit 75
-            sys.exit(EXIT_TIME_LIMIT if progress.leader else 0)
+            # exit 0 and leave the leader, which saves the state, to report and exit with
+            # 128 + the signal's number (130 Ctrl-C, 143 SIGTERM) or 75 (time limit)
+            code = 128 + stop.signum if interrupted else EXIT_TIME_LIMIT
+            sys.exit(code if progress.leader else 0)
     if progress.leader:
         console.print(f"saved [bold]{out}[/]: clean test accuracy "
                       f"{history[-1].test_accuracy:.2%}")

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lofast.config import Loss, Schedule, TrainConfig, plain_dict
-from lofast.errors import LofastError, TimeLimitReached
+from lofast.errors import LofastError, TimeLimitReached, TrainingInterrupted
 from lofast.files import atomic_write, check_readable
 from lofast.models.vit import LipschitzViT
 from lofast.training.bound import TrainingBound
@@ -117,12 +119,15 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
           device: torch.device, state_path: Path | None = None, resume: bool = False,
           plan: dict | None = None, on_step: Callable[[StepStats], None] | None = None,
           on_epoch: Callable[[EpochStats], None] | None = None,
-          deadline: float | None = None, compile_mode: str | None = None) -> list[EpochStats]:
+          deadline: float | None = None, signals: StopSignals | None = None,
+          compile_mode: str | None = None) -> list[EpochStats]:
     """Train in place; after every epoch the full state is written atomically to state_path.
 
     With a deadline (a time.monotonic() value), training stops at the first step boundary
     after it, writes the state there (mid-epoch included) and raises TimeLimitReached; a
-    resume continues from that step exactly as if nothing had stopped it.
+    resume continues from that step exactly as if nothing had stopped it. A signal kept by the
+    caller's ``signals`` (a ``StopSignals`` it entered) does the same and raises
+    TrainingInterrupted.
 
     With resume=True and an existing state file, training continues after the last finished
     epoch with the same optimizer, schedule and random streams, so an interrupted run ends
@@ -255,7 +260,8 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
             sums += torch.stack([loss.double() * len(y),
                                  (logits.argmax(dim=1) == y).sum().double()])
             seen += len(y)
-            stopping = _past(deadline) and step + 1 < steps_per_epoch
+            stop = _stop_requested(deadline, signals) if step + 1 < steps_per_epoch else 0
+            stopping = stop != 0
             if (stopping or step == first_step or (step + 1) % SYNC_STEPS == 0
                     or step + 1 == steps_per_epoch):
                 loss_sum, correct = _checked_sums(sums, epoch)
@@ -272,8 +278,8 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
                     save_training_state(state_path, model, optimizer, scheduler,
                                         (generator, augment_generator), epoch, config,
                                         history, bound, plan, stopped)
-                raise TimeLimitReached(f"epoch {epoch + 1}, step {step + 1}/{steps_per_epoch}",
-                                       history)
+                raise _stopped(stop, f"epoch {epoch + 1}, step {step + 1}/{steps_per_epoch}",
+                               history)
         seconds = time.perf_counter() - started
         loss_sum, correct, seen = _summed(loss_sum, correct, seen, device)
         test_accuracy = evaluate(model, test_images, test_labels, device) if rank == 0 else 0.0
@@ -289,8 +295,9 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
                                 bound, plan)
         if on_epoch is not None:
             on_epoch(stats)
-        if _past(deadline) and epoch + 1 < config.epochs:
-            raise TimeLimitReached(f"epoch {epoch + 1} of {config.epochs}", history)
+        stop = _stop_requested(deadline, signals)
+        if stop and epoch + 1 < config.epochs:
+            raise _stopped(stop, f"epoch {epoch + 1} of {config.epochs}", history)
     model.eval()
     return history
 
@@ -313,15 +320,63 @@ def _checked_sums(sums: Tensor, epoch: int) -> tuple[float, float]:
     return loss_sum, correct
 
 
-def _past(deadline: float | None) -> bool:
-    """Whether the deadline has passed, the same answer on every process (the earliest to see
-    it decides), so that all stop at one step."""
-    if deadline is None:
-        return False
-    past = torch.tensor(float(time.monotonic() >= deadline))
+class StopSignals:
+    """While entered on the main thread, the first SIGINT (Ctrl-C) or SIGTERM (a batch
+    scheduler's stop, `timeout`, torchrun passing either on) raises nothing where the program
+    happens to be, perhaps inside an optimizer step, but is kept in ``received`` for the
+    training loop, which stops at the next step boundary with the state saved, as at a time
+    limit. The handlers in place before are back from then on, so a second signal interrupts
+    at once (work since the last saved state is then lost). Elsewhere than on the main thread
+    Python cannot take signals, and this does nothing."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received = 0  # the signal's number, 0 while none came
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._receive)
+        return self
+
+    def _receive(self, signum: int, frame: object) -> None:
+        self.received = signum
+        self._restore()
+
+    def _restore(self) -> None:
+        for signum, handler in self._previous.items():
+            # None: a handler not set from Python, which cannot be put back; the default
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        self._previous = {}
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+
+TIME_LIMIT = 1  # _stop_requested's code for a passed deadline (signal numbers are larger)
+
+
+def _stop_requested(deadline: float | None, signals: StopSignals | None) -> int:
+    """Why training stops at this step boundary: 0 it does not, TIME_LIMIT its deadline
+    passed, else the number of the signal received. The same answer on every process (the
+    largest code decides), so that all stop at one step."""
+    code = 0 if signals is None else signals.received
+    if not code and deadline is not None and time.monotonic() >= deadline:
+        code = TIME_LIMIT
     if _distributed():
-        dist.all_reduce(past, op=dist.ReduceOp.MAX)  # gloo: CPU tensors
-    return bool(past)
+        agreed = torch.tensor(float(code))
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # gloo: CPU tensors
+        code = int(agreed)
+    return code
+
+
+def _stopped(code: int, where: str, history: list[EpochStats]) -> BaseException:
+    """The exception that ends a run stopped for ``code`` (``_stop_requested``)."""
+    if code == TIME_LIMIT:
+        return TimeLimitReached(where, history)
+    return TrainingInterrupted(where, history, code)
 
 
 def _summed(loss_sum: float, correct: int, seen: int,

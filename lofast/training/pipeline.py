@@ -13,7 +13,7 @@ from dataclasses import asdict
 from typing import Any
 
 from lofast.config import TrainConfig, TrainRun
-from lofast.errors import LofastError, TimeLimitReached
+from lofast.errors import LofastError, TimeLimitReached, TrainingInterrupted
 from lofast.training.loop import EpochStats, StepStats
 
 
@@ -38,7 +38,8 @@ def run_train(config: TrainConfig, run: TrainRun, progress: TrainProgress | None
     training record (``provenance``: how the run was asked for, e.g. the command line, stored
     as the checkpoint's ``train_command``); returns the epochs' statistics. A time limit saves
     the state and the weights so far (the checkpoint marked as stopped) and raises
-    ``TimeLimitReached``; ``run.resume`` continues from the state exactly. Under torchrun every
+    ``TimeLimitReached``; a SIGINT or SIGTERM does the same and raises ``TrainingInterrupted``
+    (``training.loop.StopSignals``, on the main thread); ``run.resume`` continues from the state exactly. Under torchrun every
     process must call it; process 0 writes."""
     import time
 
@@ -52,7 +53,7 @@ def run_train(config: TrainConfig, run: TrainRun, progress: TrainProgress | None
     from lofast.files import check_writable
     from lofast.models.vit import create_model, with_options
     from lofast.runtime import resolve_device
-    from lofast.training.loop import train
+    from lofast.training.loop import StopSignals, train
 
     progress = progress or TrainProgress()
     deadline = None if run.time_limit is None else time.monotonic() + run.time_limit
@@ -118,8 +119,9 @@ def run_train(config: TrainConfig, run: TrainRun, progress: TrainProgress | None
         options = {k: (v.value if hasattr(v, "value") else v) for k, v in options.items()}
 
         def write_checkpoint(history: list[EpochStats], stopped: str | None = None) -> None:
-            """The model as it is now, with its training record; ``stopped``: where a time
-            limit cut the run (the file is then the weights so far, for a look meanwhile)."""
+            """The model as it is now, with its training record; ``stopped``: why and where a
+            time limit or a signal cut the run (the file is then the weights so far, for a
+            look meanwhile)."""
             final = history[-1] if history else None
             save_checkpoint(out, copy.deepcopy(model).cpu(), metadata={
                 "dataset": train_set.name,
@@ -129,22 +131,24 @@ def run_train(config: TrainConfig, run: TrainRun, progress: TrainProgress | None
                 **({} if init is None else {"init_checkpoint_sha256": init_digest}),
                 "clean_accuracy": None if final is None else final.test_accuracy,
                 "epochs": 0 if final is None else final.epoch,
-                **({} if stopped is None else {"stopped": f"time limit after {stopped}"}),
+                **({} if stopped is None else {"stopped": stopped}),
                 "device": str(device),
                 "train_seconds": sum(h.seconds for h in history),
                 "history": [h.__dict__ for h in history],
             })
 
         try:
-            history = train(model, train_set.images, train_set.labels, test_set.images,
-                            test_set.labels, config, device, state_path=state_path,
-                            resume=run.resume, plan=plan,
-                            on_step=progress.step if leader else None,
-                            on_epoch=progress.epoch if leader else None, deadline=deadline,
-                            compile_mode="cudagraphs" if run.compile else None)
-        except TimeLimitReached as stop:
+            with StopSignals() as signals:
+                history = train(model, train_set.images, train_set.labels, test_set.images,
+                                test_set.labels, config, device, state_path=state_path,
+                                resume=run.resume, plan=plan,
+                                on_step=progress.step if leader else None,
+                                on_epoch=progress.epoch if leader else None,
+                                deadline=deadline, signals=signals,
+                                compile_mode="cudagraphs" if run.compile else None)
+        except (TimeLimitReached, TrainingInterrupted) as stop:
             if leader:
-                write_checkpoint(stop.history, str(stop))
+                write_checkpoint(stop.history, f"{stop.reason} after {stop}")
             raise
         if leader:
             write_checkpoint(history)
