@@ -3,7 +3,7 @@
     python benchmarks/bench_train.py [--preset paper-d3 | --checkpoint PATH] [--batch-size 256]
         [--steps 20] [--power-iterations 2] [--device auto] [--out bench_train.json]
         [--profile profile.txt] [--compile default|reduce-overhead|max-autotune|cudagraphs ...]
-        [--no-amp] [--float32-matmul highest|high|medium]
+        [--no-amp] [--cpu-amp] [--float32-matmul highest|high|medium]
 
 Times full optimisation steps (forward, loss, backward, AdamW) on random CIFAR-sized images, after
 warm-up steps, and extrapolates to one epoch of 50,000 images. Prints a table and writes JSON;
@@ -42,7 +42,7 @@ from lofast.config import TrainConfig, preset
 from lofast.models.vit import LipschitzViT, create_model
 from lofast.runtime import resolve_device
 from lofast.training.bound import TrainingBound
-from lofast.training.loop import training_step
+from lofast.training.loop import autocast_enabled, training_step
 from lofast.training.objective import CompiledObjective, TrainingObjective
 
 EPOCH_IMAGES = 50_000
@@ -79,7 +79,7 @@ def seconds_per_step(config: TrainConfig, initial: LipschitzViT, device: torch.d
     objective = TrainingObjective(model, config, bound)
     if compile_mode is not None:
         objective = CompiledObjective(objective, compile_mode)
-    use_amp = config.amp and device.type == "cuda"
+    use_amp = autocast_enabled(config, device)
     started = 0.0
     for step in range(warmup + steps):
         if step == warmup:
@@ -124,6 +124,8 @@ def main() -> None:
                         help="float32 on a GPU too (as `lofast train --no-amp`; by default the "
                              "model's forward and backward run in bfloat16 autocast there, the "
                              "bound in float32 always)")
+    parser.add_argument("--cpu-amp", action="store_true",
+                        help="bfloat16 autocast on a CPU too (as `lofast train --cpu-amp`)")
     parser.add_argument("--compile", choices=["default", "reduce-overhead", "max-autotune",
                                               "cudagraphs"], action="append", default=[],
                         help="also time the plain and certified steps under torch.compile "
@@ -137,13 +139,14 @@ def main() -> None:
     device = resolve_device(args.device)
     initial = (load_checkpoint(checkpoint_path(args.checkpoint)) if args.checkpoint
                else create_model(preset(args.preset), seed=0))
+    precision = {"amp": args.amp, "cpu_amp": args.cpu_amp}
     configs = {
-        "ce": TrainConfig(batch_size=args.batch_size, amp=args.amp),
+        "ce": TrainConfig(batch_size=args.batch_size, **precision),
         "certified": TrainConfig(batch_size=args.batch_size, loss="certified", train_eps=0.2,
-                                 power_iterations=args.power_iterations, amp=args.amp),
+                                 power_iterations=args.power_iterations, **precision),
         "certified, no refinement": TrainConfig(
             batch_size=args.batch_size, loss="certified", train_eps=0.2,
-            power_iterations=args.power_iterations, softmax_jacobian=False, amp=args.amp),
+            power_iterations=args.power_iterations, softmax_jacobian=False, **precision),
     }
     for mode in args.compile:
         configs[f"ce, compiled ({mode})"] = configs["ce"]
@@ -173,7 +176,7 @@ def main() -> None:
               "threads": torch.get_num_threads(), "preset": args.preset,
               "checkpoint": args.checkpoint,
               "batch_size": args.batch_size, "power_iterations": args.power_iterations,
-              "bfloat16_autocast": args.amp and device.type == "cuda",
+              "bfloat16_autocast": autocast_enabled(configs["ce"], device),
               "float32_matmul": args.float32_matmul,
               "rows": rows, "certified_over_plain": ratio,
               "unrefined_over_plain": unrefined,

@@ -641,3 +641,38 @@ def test_running_out_of_memory_is_one_line(checkpoint, data_dir, tmp_path, monke
     result = runner.invoke(cli, ["certify", "--checkpoint", str(checkpoint), "--data",
                                  str(data_dir), "--eps", "0.1"])
     assert isinstance(result.exception, ZeroDivisionError)
+
+
+def test_cpu_amp_autocasts_the_model_on_a_cpu_only_when_asked(data_dir, tmp_path):
+    """`--cpu-amp` runs the model's forward and backward in bfloat16 on a CPU (its weights end
+    elsewhere than float32's, the certified loss still trains); `--amp` alone keeps a CPU in
+    float32 (the same weights as `--no-amp`); `--no-amp --cpu-amp` is one clear line."""
+    import torch
+    from safetensors.torch import load_file
+
+    from lofast.config import TrainConfig
+    from lofast.training.loop import autocast_enabled
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not autocast_enabled(TrainConfig(), cpu) and autocast_enabled(TrainConfig(), cuda)
+    assert autocast_enabled(TrainConfig(cpu_amp=True), cpu)
+    assert not autocast_enabled(TrainConfig(amp=False), cuda)
+    args = TRAIN_ARGS + ["--data", str(data_dir), "--epochs", "1", "--loss", "certified",
+                         "--train-eps", "0.1"]
+    runner = CliRunner()
+    weights = {}
+    for name, extra in (("float32", ["--no-amp"]), ("amp", []), ("cpu_amp", ["--cpu-amp"])):
+        out = tmp_path / f"{name}.safetensors"
+        result = runner.invoke(cli, args + extra + ["--out", str(out)])
+        assert result.exit_code == 0, result.output
+        weights[name] = load_file(str(out))
+    same = [torch.equal(weights["float32"][k], weights["amp"][k]) for k in weights["float32"]]
+    assert all(same)
+    moved = [not torch.equal(weights["float32"][k], weights["cpu_amp"][k])
+             for k in weights["float32"]]
+    assert any(moved)
+    assert all(torch.isfinite(w).all() for w in weights["cpu_amp"].values())
+    result = runner.invoke(cli, args + ["--no-amp", "--cpu-amp", "--out",
+                                        str(tmp_path / "x.safetensors")])
+    assert result.exit_code == 1 and "--cpu-amp" in result.output
+    assert "Traceback" not in result.output

@@ -114,7 +114,12 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
 @click.option("--device", default=TrainRun.device, show_default=True,
               help="auto, cpu, cuda, cuda:1 ...")
 @click.option("--amp/--no-amp", default=TrainConfig.amp, show_default=True,
-              help="bfloat16 autocast (GPU only).")
+              help="bfloat16 autocast of the model's forward and backward on a GPU (the "
+                   "bound stays float32).")
+@click.option("--cpu-amp", is_flag=True,
+              help="With --amp, autocast on a CPU too: fast where the CPU computes bfloat16 "
+                   "natively (AVX512-BF16, AMX; the default's certified step 1.4x faster on "
+                   "an AMD EPYC thread), slower elsewhere.")
 @click.option("--compile", "compile_step", is_flag=True,
               help="Capture each training step in CUDA graphs (torch.compile, cudagraphs "
                    "backend): a certified step waits for thousands of kernel launches "
@@ -140,7 +145,7 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
 def train(dataset, data_path, download, preset, model_options, init_path, epochs, batch_size, lr,
           weight_decay, warmup_epochs, schedule, loss, margin, train_eps, eps_ramp_epochs,
           clean_mix, logit_annealing, power_iterations, softmax_jacobian, ablation_margin,
-          ablation_weight, temperature, augment, seed, device, amp, compile_step,
+          ablation_weight, temperature, augment, seed, device, amp, cpu_amp, compile_step,
           limit, out, resume, time_limit, overwrite) -> None:
     """Train a Lipschitz ViT on a data set and save it as a checkpoint."""
     from lofast.errors import TimeLimitReached, TrainingInterrupted
@@ -153,7 +158,7 @@ def train(dataset, data_path, download, preset, model_options, init_path, epochs
                          power_iterations=power_iterations,
                          softmax_jacobian=softmax_jacobian, ablation_margin=ablation_margin,
                          ablation_weight=ablation_weight, temperature=temperature,
-                         augment=augment, seed=seed, amp=amp)
+                         augment=augment, seed=seed, amp=amp, cpu_amp=cpu_amp)
     run = TrainRun(data=data_path, out=out, dataset=dataset, download=download,
                    preset=preset, model_options=parse_model_options(model_options),
                    init=init_path, device=device, compile=compile_step, limit=limit,

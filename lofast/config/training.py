@@ -41,7 +41,10 @@ class TrainConfig:
     ablation_weight: float = 1.0
     augment: bool = True  # random crop (pad 4) and horizontal flip
     seed: int = 0
-    amp: bool = True  # bfloat16 autocast on CUDA only
+    amp: bool = True  # bfloat16 autocast on CUDA (training.loop.autocast_enabled)
+    # with amp, bfloat16 autocast on a CPU too: fast where it computes bfloat16 natively
+    # (AVX512-BF16, AMX), slower elsewhere
+    cpu_amp: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loss", Loss.parse("loss", self.loss, ConfigError))
@@ -62,6 +65,9 @@ class TrainConfig:
             raise ConfigError("--loss certified needs a positive --train-eps")
         if not _is_real(self.clean_mix) or not 0.0 <= self.clean_mix <= 1.0:
             raise ConfigError("clean mix must lie in [0, 1]")
+        if self.cpu_amp and not self.amp:
+            raise ConfigError("--cpu-amp autocasts as --amp does, on a CPU too: it cannot go "
+                              "with --no-amp")
 
 
 DEFAULT_PRESET = "paper-d3"  # the architecture of a run given neither a preset nor --init

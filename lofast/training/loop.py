@@ -92,6 +92,12 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def autocast_enabled(config: TrainConfig, device: torch.device) -> bool:
+    """Whether the model's forward and backward run in bfloat16 autocast (the training bound
+    stays float32): with amp on CUDA devices, and with cpu_amp on CPUs too."""
+    return config.amp and (device.type == "cuda" or (device.type == "cpu" and config.cpu_amp))
+
+
 def training_step(objective: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor,
                   eps: float, use_amp: bool) -> tuple[Tensor, Tensor]:
     """One optimisation step on a batch (B, C, H, W); returns the loss (detached, on the
@@ -205,7 +211,7 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
             raise LofastError("a compiled training step runs in one process; drop --compile "
                               "under torchrun")
         objective = CompiledObjective(objective, compile_mode)
-    use_amp = config.amp and device.type == "cuda"
+    use_amp = autocast_enabled(config, device)
     # the whole uint8 training set lives on the device; batches are gathered there
     images_all = torch.as_tensor(train_images).to(device)
     labels_all = torch.as_tensor(train_labels).to(device)
