@@ -38,9 +38,9 @@ def run_train(config: TrainConfig, run: TrainRun, progress: TrainProgress | None
     training record (``provenance``: how the run was asked for, e.g. the command line, stored
     as the checkpoint's ``train_command``); returns the epochs' statistics. A time limit saves
     the state and the weights so far (the checkpoint marked as stopped) and raises
-    ``TimeLimitReached``; a SIGINT or SIGTERM does the same and raises ``TrainingInterrupted``
-    (``training.loop.StopSignals``, on the main thread); ``run.resume`` continues from the state exactly. Under torchrun every
-    process must call it; process 0 writes."""
+    ``TimeLimitReached``; a SIGINT or SIGTERM on the main thread does the same and raises
+    ``TrainingInterrupted`` (``training.loop.StopSignals``); ``run.resume`` continues from the
+    state exactly. Under torchrun every process must call it; process 0 writes."""
     import time
 
     import torch
