@@ -118,8 +118,8 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
                    "bound stays float32).")
 @click.option("--cpu-amp", is_flag=True,
               help="With --amp, autocast on a CPU too: fast where the CPU computes bfloat16 "
-                   "natively (AVX512-BF16, AMX; the default's certified step 1.4x faster on "
-                   "an AMD EPYC thread), slower elsewhere.")
+                   "natively (AVX512-BF16, AMX; the default's certified training 1.3x faster "
+                   "on an AMD EPYC thread, to the same accuracy), slower elsewhere.")
 @click.option("--compile", "compile_step", is_flag=True,
               help="Capture each training step in CUDA graphs (torch.compile, cudagraphs "
                    "backend): a certified step waits for thousands of kernel launches "
