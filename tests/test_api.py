@@ -277,6 +277,7 @@ BAD_TRAIN_SETTINGS = [
     {"logit_annealing": -1.0}, {"logit_annealing": float("nan")}, {"logit_annealing": "2"},
     {"lr": 0}, {"temperature": float("inf")}, {"epochs": 0}, {"seed": -1}, {"loss": "hinge"},
     {"loss": "certified"}, {"clean_mix": 1.5}, {"margin": -0.1}, {"schedule": "step"},
+    {"cpu_amp": True, "amp": False}, {"cpu_amp": "yes"}, {"amp": 1}, {"augment": "no"},
 ]
 
 

@@ -65,6 +65,9 @@ class TrainConfig:
             raise ConfigError("--loss certified needs a positive --train-eps")
         if not _is_real(self.clean_mix) or not 0.0 <= self.clean_mix <= 1.0:
             raise ConfigError("clean mix must lie in [0, 1]")
+        for name in ("softmax_jacobian", "augment", "amp", "cpu_amp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, not {getattr(self, name)!r}")
         if self.cpu_amp and not self.amp:
             raise ConfigError("--cpu-amp autocasts as --amp does, on a CPU too: it cannot go "
                               "with --no-amp")
