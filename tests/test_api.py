@@ -8,7 +8,9 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+import numpy
 import pytest
+import torch
 
 import lofast
 from lofast.bounds.spectral import Guarantee, SpectralMethod
@@ -128,7 +130,8 @@ BAD_ARGUMENTS = [
     {"batch_size": 0}, {"batch_size": 2**40}, {"split": "dev"}, {"dataset": "imagenet"},
     {"fallback": "gamma"}, {"fallback_timeout": -1.0}, {"shard": "3/2"}, {"shard": "x"},
     {"resume": True}, {"attack": "yes"}, {"attention_report": 1}, {"device": ""},
-    {"settings": "exact"}, {"out": 3.5},
+    {"settings": "exact"}, {"out": 3.5}, {"eps": torch.tensor(-0.05)},
+    {"eps": torch.tensor(True)}, {"eps": numpy.float64(-1)}, {"eps": torch.tensor([0.05, 0.0])},
 ]
 
 
@@ -151,6 +154,10 @@ def test_api_reads_eps_as_the_command_line_does():
     assert CertifyConfig(eps="0.05").eps == (0.05,)  # one radius, not four characters
     assert CertifyConfig(eps="36/255").eps == (36 / 255,)
     assert CertifyConfig(eps=[0.1, "0.02", 0.1]).eps == (0.02, 0.1)
+    # numbers of numpy and torch, one or several: 0-d ones are one radius, not a sequence
+    assert CertifyConfig(eps=torch.tensor(0.25)).eps == (0.25,)
+    assert CertifyConfig(eps=numpy.array([0.5, 0.25])).eps == (0.25, 0.5)
+    assert CertifyConfig(eps=torch.tensor([0.5, 0.25])).eps == (0.25, 0.5)
     assert CertifyConfig(eps=0.05, attack=True).attack == AttackSettings()
     assert CertifyConfig(eps=0.05, shard="1/3").shard == (1, 3)
     for bad in ({"steps": 0}, {"restarts": 10**6}, {"seed": -1}, {"box": "no"}):

@@ -29,7 +29,9 @@ from lofast.errors import ConfigError
 def parse_radius(value: Any, name: str = "eps") -> float:
     """A positive finite l2 radius from a number or a text such as "0.05" or "36/255";
     ConfigError otherwise (a radius <= 0 would certify nothing, or count a misclassified
-    sample as robust)."""
+    sample as robust). A one-element array or tensor counts as its number."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()  # a bool tensor becomes a bool, refused below
     if isinstance(value, str):
         text = value.strip()
         try:
@@ -51,7 +53,8 @@ def parse_radius(value: Any, name: str = "eps") -> float:
 
 def parse_radii(value: Any) -> tuple[float, ...]:
     """The distinct radii of one eps (a number or a text) or of a sequence of them, ascending."""
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+    if (isinstance(value, (str, bytes)) or not hasattr(value, "__iter__")
+            or getattr(value, "ndim", None) == 0):  # a 0-d array or tensor is one radius
         value = [value]
     radii = {parse_radius(v) for v in value}
     if not radii:
