@@ -181,6 +181,22 @@ def test_certifier_refuses_images_and_labels_the_model_was_not_made_for(checkpoi
         certificate.certified(torch.tensor([0.05, -1.0], dtype=torch.float64))
 
 
+def test_certifier_refuses_settings_and_weights_it_cannot_trust(checkpoint):
+    """Flags that are not booleans (a text "no" reads as true), a negative seed and a model
+    given in memory with a non-finite weight: one CertificationError each, before any SVD."""
+    for bad in ({"softmax_jacobian": "no"}, {"local_projection": None}, {"seed": -1},
+                {"seed": 0.5}):
+        with pytest.raises(CertificationError):
+            CertifySettings(**bad)
+    model = lofast.load_model(checkpoint)
+    with torch.no_grad():
+        next(model.parameters())[0] = float("nan")
+    with pytest.raises(CertificationError, match="NaN or infinity"):
+        Certifier(model)
+    with pytest.raises(CertificationError, match="NaN or infinity"):
+        lofast.certify(model, eps=0.05, n=2)
+
+
 def test_api_certificates_cannot_be_fooled_by_their_arguments():
     """A property test: random eps lists, n and batch sizes, valid and invalid. Each call is
     refused, or every sample it certifies is correctly classified with a positive margin, has a

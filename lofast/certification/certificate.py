@@ -35,7 +35,10 @@ from lofast.config import (
     GUARANTEE_CHOICES,
     GUARANTEES,
     KAPPAS,
+    MAX_SEED,
     Bound,
+    check_flags,
+    check_int,
 )
 from lofast.errors import CertificationError
 from lofast.models.vit import LipschitzViT
@@ -101,6 +104,8 @@ class CertifySettings:
         object.__setattr__(self, "bound", Bound.parse("bound", self.bound, CertificationError))
         if self.kappa not in KAPPAS:
             raise CertificationError("kappa must be 0.5 (tight) or 1 (the paper's)")
+        check_flags(self, ("local_projection", "softmax_jacobian"), CertificationError)
+        check_int("seed", self.seed, 0, MAX_SEED, CertificationError)
         if self.guarantee is not None and self.guarantee not in GUARANTEE_CHOICES:
             raise CertificationError(f"unknown guarantee {self.guarantee!r}; choose from "
                                      f"{', '.join(GUARANTEE_CHOICES)}")
@@ -246,6 +251,9 @@ class Certifier:
 
     def __init__(self, model: LipschitzViT, settings: CertifySettings | None = None,
                  device: torch.device | str = "cpu") -> None:
+        for name, value in model.state_dict().items():  # a model given in memory is unchecked
+            if value.is_floating_point() and not torch.isfinite(value).all():
+                raise CertificationError(f"the model's weight {name} contains NaN or infinity")
         self.settings = (settings or CertifySettings()).for_model(model)
         self.device = torch.device(device)
         self.model = model.frozen(self.device)

@@ -29,6 +29,8 @@ from lofast.config.base import (
     Pooling,
     Schedule,
     Weights,
+    check_flags,
+    check_int,
     plain_dict,
 )
 from lofast.config.certify import (
@@ -76,6 +78,8 @@ __all__ = [
     "TrainConfig",
     "TrainRun",
     "Weights",
+    "check_flags",
+    "check_int",
     "check_requirements",
     "parse_radii",
     "parse_radius",

@@ -110,7 +110,7 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None,
+def check_int(name: str, value: Any, minimum: int, maximum: int | None = None,
                error: type[LofastError] = LofastError) -> None:
     if (not isinstance(value, int) or isinstance(value, bool) or value < minimum
             or (maximum is not None and value > maximum)):
@@ -118,6 +118,15 @@ def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None,
         raise error(f"{name} must be an integer {bounds}, not {value!r}")
 
 
-def _check_positive(name: str, value: Any, error: type[LofastError] = LofastError) -> None:
+def check_flags(owner: Any, names: tuple[str, ...],
+                 error: type[LofastError] = LofastError) -> None:
+    """Each of ``owner``'s fields ``names`` must be True or False: a text such as "no" or None
+    would silently read as true or false."""
+    for name in names:
+        if not isinstance(getattr(owner, name), bool):
+            raise error(f"{name} must be true or false, not {getattr(owner, name)!r}")
+
+
+def check_positive(name: str, value: Any, error: type[LofastError] = LofastError) -> None:
     if not _is_real(value) or not math.isfinite(value) or value <= 0:
         raise error(f"{name} must be a positive finite number, not {value!r}")

@@ -21,7 +21,8 @@ from lofast.config.base import (
     MAX_BATCH_SIZE,
     MAX_SEED,
     SPLITS,
-    _check_int,
+    check_flags,
+    check_int,
 )
 from lofast.errors import ConfigError
 
@@ -129,11 +130,10 @@ class AttackSettings:
     save_dir: Any = None  # a folder (str or Path): every counterexample found there as .npz
 
     def __post_init__(self) -> None:
-        _check_int("attack steps", self.steps, 1, MAX_ATTACK_STEPS, ConfigError)
-        _check_int("attack restarts", self.restarts, 1, MAX_ATTACK_RESTARTS, ConfigError)
-        _check_int("seed", self.seed, 0, MAX_SEED, ConfigError)
-        if not isinstance(self.box, bool):
-            raise ConfigError(f"attack box must be true or false, not {self.box!r}")
+        check_int("attack steps", self.steps, 1, MAX_ATTACK_STEPS, ConfigError)
+        check_int("attack restarts", self.restarts, 1, MAX_ATTACK_RESTARTS, ConfigError)
+        check_int("seed", self.seed, 0, MAX_SEED, ConfigError)
+        check_flags(self, ("box",), ConfigError)
         object.__setattr__(self, "save_dir", _optional_path("save_adversarial", self.save_dir))
 
     def describe(self) -> dict:
@@ -196,9 +196,9 @@ class CertifyConfig:
         if self.split not in SPLITS:
             raise ConfigError(f"split must be one of {', '.join(SPLITS)}, not {self.split!r}")
         if self.limit is not None:
-            _check_int("n", self.limit, 1, error=ConfigError)
+            check_int("n", self.limit, 1, error=ConfigError)
         if self.batch_size is not None:
-            _check_int("batch size", self.batch_size, 1, MAX_BATCH_SIZE, ConfigError)
+            check_int("batch size", self.batch_size, 1, MAX_BATCH_SIZE, ConfigError)
         if not isinstance(self.device, str) or not self.device:
             raise ConfigError(f"device must be a name such as 'cpu' or 'cuda', not "
                               f"{self.device!r}")
@@ -215,9 +215,7 @@ class CertifyConfig:
             raise ConfigError(f"attack must be True, False or an AttackSettings, not "
                               f"{self.attack!r}")
         set_("out", _optional_path("out", self.out))
-        for name in ("resume", "attention_report", "classes_unchecked"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, not {getattr(self, name)!r}")
+        check_flags(self, ("resume", "attention_report", "classes_unchecked"), ConfigError)
         if self.resume and self.out is None:
             raise ConfigError("--resume needs --out, the file to continue")
         set_("shard", parse_shard(self.shard))

@@ -12,9 +12,10 @@ from lofast.config.base import (
     MAX_PARAMETERS,
     Pooling,
     Weights,
-    _check_int,
-    _check_positive,
     _is_real,
+    check_flags,
+    check_int,
+    check_positive,
     plain_dict,
 )
 from lofast.errors import LofastError
@@ -72,12 +73,12 @@ class ModelConfig:
         # accounting: a value read from a file is checked like any other input.
         for name in ("image_size", "channels", "num_classes", "patch_size", "width", "depth",
                      "heads", "mlp_ratio"):
-            _check_int(name, getattr(self, name), minimum=2 if name == "num_classes" else 1)
+            check_int(name, getattr(self, name), minimum=2 if name == "num_classes" else 1)
         for name in ("embed_cap", "value_cap", "output_cap", "attn_radius"):
-            _check_positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         for name in ("query_key_cap", "mlp_radius", "final_radius", "score_norm", "value_norm"):
             if getattr(self, name) is not None:
-                _check_positive(name, getattr(self, name))
+                check_positive(name, getattr(self, name))
         if not _is_real(self.input_center) or not math.isfinite(self.input_center):
             raise LofastError(f"input_center must be a finite number, not {self.input_center!r}")
         # frozen: the names read from a file become their members once, here
@@ -86,12 +87,10 @@ class ModelConfig:
         object.__setattr__(self, "value_output",
                            Weights.parse("value_output", self.value_output))
         if self.live_blocks is not None:
-            _check_int("live_blocks", self.live_blocks, minimum=1)
+            check_int("live_blocks", self.live_blocks, minimum=1)
             if self.live_blocks > self.depth:
                 raise LofastError(f"live_blocks {self.live_blocks} exceeds depth {self.depth}")
-        for name in ("position_bias", "live_first"):
-            if not isinstance(getattr(self, name), bool):
-                raise LofastError(f"{name} must be true or false, not {getattr(self, name)!r}")
+        check_flags(self, ("position_bias", "live_first"))
         if self.image_size % self.patch_size:
             raise LofastError(
                 f"patch_size {self.patch_size} does not divide image_size {self.image_size}"

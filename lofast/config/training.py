@@ -8,7 +8,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lofast.config.base import DATASETS, Loss, Schedule, _check_int, _check_positive, _is_real
+from lofast.config.base import (
+    DATASETS,
+    Loss,
+    Schedule,
+    _is_real,
+    check_flags,
+    check_int,
+    check_positive,
+)
 from lofast.config.certify import _optional_path, parse_radius
 from lofast.config.model import INIT_OPTIONS, PRESETS
 from lofast.errors import ConfigError
@@ -50,12 +58,12 @@ class TrainConfig:
         object.__setattr__(self, "loss", Loss.parse("loss", self.loss, ConfigError))
         object.__setattr__(self, "schedule", Schedule.parse("schedule", self.schedule, ConfigError))
         for name in ("epochs", "batch_size", "power_iterations"):
-            _check_int(name, getattr(self, name), minimum=1, error=ConfigError)
-        _check_int("seed", self.seed, minimum=0, error=ConfigError)
+            check_int(name, getattr(self, name), minimum=1, error=ConfigError)
+        check_int("seed", self.seed, minimum=0, error=ConfigError)
         if self.seed >= 2**63:
             raise ConfigError(f"seed must be below 2**63, not {self.seed}")
         for name in ("lr", "temperature"):
-            _check_positive(name, getattr(self, name), ConfigError)
+            check_positive(name, getattr(self, name), ConfigError)
         for name in ("weight_decay", "warmup_epochs", "margin", "train_eps", "eps_ramp_epochs",
                      "ablation_margin", "ablation_weight", "logit_annealing"):
             value = getattr(self, name)
@@ -65,9 +73,7 @@ class TrainConfig:
             raise ConfigError("--loss certified needs a positive --train-eps")
         if not _is_real(self.clean_mix) or not 0.0 <= self.clean_mix <= 1.0:
             raise ConfigError("clean mix must lie in [0, 1]")
-        for name in ("softmax_jacobian", "augment", "amp", "cpu_amp"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, not {getattr(self, name)!r}")
+        check_flags(self, ("softmax_jacobian", "augment", "amp", "cpu_amp"), ConfigError)
         if self.cpu_amp and not self.amp:
             raise ConfigError("--cpu-amp autocasts as --amp does, on a CPU too: it cannot go "
                               "with --no-amp")
@@ -129,12 +135,10 @@ class TrainRun:
             raise ConfigError("model options are named by strings")
         set_("model_options", options)
         if self.limit is not None:
-            _check_int("limit", self.limit, 1, error=ConfigError)
+            check_int("limit", self.limit, 1, error=ConfigError)
         if self.time_limit is not None:
             set_("time_limit", parse_radius(self.time_limit, "time_limit"))
-        for name in ("download", "compile", "resume", "overwrite"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, not {getattr(self, name)!r}")
+        check_flags(self, ("download", "compile", "resume", "overwrite"), ConfigError)
         if not isinstance(self.device, str) or not self.device:
             raise ConfigError(f"device must be a name such as 'cpu' or 'cuda', not "
                               f"{self.device!r}")
