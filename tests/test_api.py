@@ -301,6 +301,7 @@ BAD_TRAIN_SETTINGS = [
     {"lr": 0}, {"temperature": float("inf")}, {"epochs": 0}, {"seed": -1}, {"loss": "hinge"},
     {"loss": "certified"}, {"clean_mix": 1.5}, {"margin": -0.1}, {"schedule": "step"},
     {"cpu_amp": True, "amp": False}, {"cpu_amp": "yes"}, {"amp": 1}, {"augment": "no"},
+    {"batch_size": 2**16 + 1}, {"seed": 2**63}, {"power_iterations": 0},
 ]
 
 

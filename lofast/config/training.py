@@ -10,6 +10,8 @@ from typing import Any
 
 from lofast.config.base import (
     DATASETS,
+    MAX_BATCH_SIZE,
+    MAX_SEED,
     Loss,
     Schedule,
     _is_real,
@@ -57,11 +59,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "loss", Loss.parse("loss", self.loss, ConfigError))
         object.__setattr__(self, "schedule", Schedule.parse("schedule", self.schedule, ConfigError))
-        for name in ("epochs", "batch_size", "power_iterations"):
+        for name in ("epochs", "power_iterations"):
             check_int(name, getattr(self, name), minimum=1, error=ConfigError)
-        check_int("seed", self.seed, minimum=0, error=ConfigError)
-        if self.seed >= 2**63:
-            raise ConfigError(f"seed must be below 2**63, not {self.seed}")
+        # the command line's ranges: a batch past MAX_BATCH_SIZE is a typo that would ask for
+        # the whole training set's certified-loss activations at once
+        check_int("batch_size", self.batch_size, 1, MAX_BATCH_SIZE, ConfigError)
+        check_int("seed", self.seed, 0, MAX_SEED, ConfigError)
         for name in ("lr", "temperature"):
             check_positive(name, getattr(self, name), ConfigError)
         for name in ("weight_decay", "warmup_epochs", "margin", "train_eps", "eps_ramp_epochs",
