@@ -145,6 +145,19 @@ def folder(tmp_path):
     return root, expected, np.array([0, 0, 2, 2])
 
 
+def test_a_sixteen_bit_grey_png_keeps_its_tones():
+    """PIL's RGB conversion clips 16-bit grey values above 255 (nearly all of them); the
+    reader scales them to 8 bits instead, as an 8-bit export of the same image would."""
+    grey = np.linspace(0, 65535, 6 * 5).reshape(6, 5).astype(np.uint16)
+    buffer = io.BytesIO()
+    Image.fromarray(grey).save(buffer, "PNG")
+    decoded = imagefolder.decode_image(buffer.getvalue(), "grey16.png")
+    assert decoded.shape == (6, 5, 3) and decoded.dtype == np.uint8
+    expected = np.rint(grey / 257).astype(np.uint8)
+    for channel in range(3):
+        np.testing.assert_array_equal(decoded[..., channel], expected)
+
+
 # ---------------------------------------------------------------------------------------------
 # ImageDataset
 

@@ -30,9 +30,18 @@ def is_image_name(name: str) -> bool:
 
 
 def decode_image(data: bytes, location: str) -> np.ndarray:
-    """Decode a JPEG or PNG into (H, W, 3) uint8 RGB; DataError naming `location` if corrupt."""
+    """Decode a JPEG or PNG into (H, W, 3) uint8 RGB; DataError naming `location` if corrupt.
+
+    A 16-bit grey PNG (PIL's modes "I;16" and "I") is scaled to 8 bits: PIL's own conversion
+    to RGB clips every value above 255, which turns almost the whole image white."""
     try:
         with Image.open(io.BytesIO(data), formats=_FORMATS) as image:
+            if image.mode.startswith("I"):
+                grey = np.asarray(image).astype(np.float64)
+                if grey.min() < 0 or grey.max() > 65535:
+                    raise DataError(f"{location}: grey values outside 0 .. 65535")
+                eight_bit = np.rint(grey / 257).astype(np.uint8)
+                return np.repeat(eight_bit[..., None], 3, axis=2)
             rgb = image if image.mode == "RGB" else image.convert("RGB")
             return np.asarray(rgb)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
