@@ -111,7 +111,8 @@ def _is_real(value: Any) -> bool:
 
 
 def check_int(name: str, value: Any, minimum: int, maximum: int | None = None,
-               error: type[LofastError] = LofastError) -> None:
+              error: type[LofastError] = LofastError) -> None:
+    """``value`` must be a Python int (not a bool) in minimum .. maximum; ``error`` otherwise."""
     if (not isinstance(value, int) or isinstance(value, bool) or value < minimum
             or (maximum is not None and value > maximum)):
         bounds = f">= {minimum}" if maximum is None else f"in {minimum} .. {maximum}"

@@ -30,7 +30,7 @@ from lofast.errors import ConfigError
 def parse_radius(value: Any, name: str = "eps") -> float:
     """A positive finite l2 radius from a number or a text such as "0.05" or "36/255";
     ConfigError otherwise (a radius <= 0 would certify nothing, or count a misclassified
-    sample as robust). A one-element array or tensor counts as its number."""
+    sample as robust). A 0-d numpy array or torch tensor counts as its number."""
     if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
         value = value.item()  # a bool tensor becomes a bool, refused below
     if isinstance(value, str):
