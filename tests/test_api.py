@@ -2,6 +2,7 @@
 as objects (the README's example and the API's records against the CLI's, both on the shipped
 default, are in test_shipped_models)."""
 
+import json
 import re
 import subprocess
 import sys
@@ -163,6 +164,27 @@ def test_api_reads_eps_as_the_command_line_does():
     for bad in ({"steps": 0}, {"restarts": 10**6}, {"seed": -1}, {"box": "no"}):
         with pytest.raises(CertificationError.__mro__[1]):  # LofastError
             AttackSettings(**bad)
+
+
+def test_numpy_integers_count_as_integers_and_are_stored_as_ints():
+    """A count from numpy (np.arange, a shape) is an integer like any other, and the configs
+    keep it as a Python int, which JSON records and checkpoint metadata can hold; a numpy bool
+    stays refused, as a Python bool is."""
+    from lofast.config import AttackSettings, CertifyConfig, ModelConfig, TrainConfig
+    from lofast.errors import ConfigError
+
+    config = CertifyConfig(eps=0.05, limit=numpy.int64(3), batch_size=numpy.uint16(2),
+                           attack=AttackSettings(steps=numpy.int32(7), seed=numpy.int64(5)))
+    stored = (config.limit, config.batch_size, config.attack.steps, config.attack.seed)
+    assert stored == (3, 2, 7, 5) and all(type(v) is int for v in stored)
+    model = ModelConfig(width=numpy.int64(32), depth=numpy.int8(2), heads=numpy.int64(4))
+    assert json.loads(model.to_json())["width"] == 32
+    train = TrainConfig(epochs=numpy.int64(2), batch_size=numpy.int32(8), seed=numpy.int64(1))
+    assert (type(train.epochs), type(train.batch_size), type(train.seed)) == (int, int, int)
+    assert type(CertifySettings(seed=numpy.int64(3)).seed) is int
+    for bad in (numpy.bool_(True), numpy.float64(2.0), numpy.int64(0)):
+        with pytest.raises(ConfigError):
+            CertifyConfig(eps=0.05, limit=bad)
 
 
 def test_certifier_refuses_images_and_labels_the_model_was_not_made_for(checkpoint):

@@ -105,7 +105,8 @@ class CertifySettings:
         if self.kappa not in KAPPAS:
             raise CertificationError("kappa must be 0.5 (tight) or 1 (the paper's)")
         check_flags(self, ("local_projection", "softmax_jacobian"), CertificationError)
-        check_int("seed", self.seed, 0, MAX_SEED, CertificationError)
+        object.__setattr__(self, "seed", check_int("seed", self.seed, 0, MAX_SEED,
+                                                   CertificationError))
         if self.guarantee is not None and self.guarantee not in GUARANTEE_CHOICES:
             raise CertificationError(f"unknown guarantee {self.guarantee!r}; choose from "
                                      f"{', '.join(GUARANTEE_CHOICES)}")

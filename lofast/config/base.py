@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,12 +112,15 @@ def _is_real(value: Any) -> bool:
 
 
 def check_int(name: str, value: Any, minimum: int, maximum: int | None = None,
-              error: type[LofastError] = LofastError) -> None:
-    """``value`` must be a Python int (not a bool) in minimum .. maximum; ``error`` otherwise."""
-    if (not isinstance(value, int) or isinstance(value, bool) or value < minimum
+              error: type[LofastError] = LofastError) -> int:
+    """``value`` as a Python int: it must be an integer (a Python or numpy one, not a bool) in
+    minimum .. maximum; ``error`` otherwise. Callers store the result, so that a numpy integer
+    (say from ``np.arange``) reaches JSON, checkpoint metadata and records as a plain int."""
+    if (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum
             or (maximum is not None and value > maximum)):
         bounds = f">= {minimum}" if maximum is None else f"in {minimum} .. {maximum}"
         raise error(f"{name} must be an integer {bounds}, not {value!r}")
+    return int(value)
 
 
 def check_flags(owner: Any, names: tuple[str, ...],

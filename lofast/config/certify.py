@@ -130,9 +130,11 @@ class AttackSettings:
     save_dir: Any = None  # a folder (str or Path): every counterexample found there as .npz
 
     def __post_init__(self) -> None:
-        check_int("attack steps", self.steps, 1, MAX_ATTACK_STEPS, ConfigError)
-        check_int("attack restarts", self.restarts, 1, MAX_ATTACK_RESTARTS, ConfigError)
-        check_int("seed", self.seed, 0, MAX_SEED, ConfigError)
+        set_ = functools.partial(object.__setattr__, self)
+        set_("steps", check_int("attack steps", self.steps, 1, MAX_ATTACK_STEPS, ConfigError))
+        set_("restarts", check_int("attack restarts", self.restarts, 1, MAX_ATTACK_RESTARTS,
+                                   ConfigError))
+        set_("seed", check_int("seed", self.seed, 0, MAX_SEED, ConfigError))
         check_flags(self, ("box",), ConfigError)
         object.__setattr__(self, "save_dir", _optional_path("save_adversarial", self.save_dir))
 
@@ -196,9 +198,10 @@ class CertifyConfig:
         if self.split not in SPLITS:
             raise ConfigError(f"split must be one of {', '.join(SPLITS)}, not {self.split!r}")
         if self.limit is not None:
-            check_int("n", self.limit, 1, error=ConfigError)
+            set_("limit", check_int("n", self.limit, 1, error=ConfigError))
         if self.batch_size is not None:
-            check_int("batch size", self.batch_size, 1, MAX_BATCH_SIZE, ConfigError)
+            set_("batch_size", check_int("batch size", self.batch_size, 1, MAX_BATCH_SIZE,
+                                         ConfigError))
         if not isinstance(self.device, str) or not self.device:
             raise ConfigError(f"device must be a name such as 'cpu' or 'cuda', not "
                               f"{self.device!r}")

@@ -73,7 +73,8 @@ class ModelConfig:
         # accounting: a value read from a file is checked like any other input.
         for name in ("image_size", "channels", "num_classes", "patch_size", "width", "depth",
                      "heads", "mlp_ratio"):
-            check_int(name, getattr(self, name), minimum=2 if name == "num_classes" else 1)
+            object.__setattr__(self, name, check_int(name, getattr(self, name),
+                                                     minimum=2 if name == "num_classes" else 1))
         for name in ("embed_cap", "value_cap", "output_cap", "attn_radius"):
             check_positive(name, getattr(self, name))
         for name in ("query_key_cap", "mlp_radius", "final_radius", "score_norm", "value_norm"):
@@ -87,7 +88,7 @@ class ModelConfig:
         object.__setattr__(self, "value_output",
                            Weights.parse("value_output", self.value_output))
         if self.live_blocks is not None:
-            check_int("live_blocks", self.live_blocks, minimum=1)
+            object.__setattr__(self, "live_blocks", check_int("live_blocks", self.live_blocks, 1))
             if self.live_blocks > self.depth:
                 raise LofastError(f"live_blocks {self.live_blocks} exceeds depth {self.depth}")
         check_flags(self, ("position_bias", "live_first"))

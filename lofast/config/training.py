@@ -60,11 +60,13 @@ class TrainConfig:
         object.__setattr__(self, "loss", Loss.parse("loss", self.loss, ConfigError))
         object.__setattr__(self, "schedule", Schedule.parse("schedule", self.schedule, ConfigError))
         for name in ("epochs", "power_iterations"):
-            check_int(name, getattr(self, name), minimum=1, error=ConfigError)
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1,
+                                                     error=ConfigError))
         # the command line's ranges: a batch past MAX_BATCH_SIZE is a typo that would ask for
         # the whole training set's certified-loss activations at once
-        check_int("batch_size", self.batch_size, 1, MAX_BATCH_SIZE, ConfigError)
-        check_int("seed", self.seed, 0, MAX_SEED, ConfigError)
+        object.__setattr__(self, "batch_size", check_int("batch_size", self.batch_size, 1,
+                                                         MAX_BATCH_SIZE, ConfigError))
+        object.__setattr__(self, "seed", check_int("seed", self.seed, 0, MAX_SEED, ConfigError))
         for name in ("lr", "temperature"):
             check_positive(name, getattr(self, name), ConfigError)
         for name in ("weight_decay", "warmup_epochs", "margin", "train_eps", "eps_ramp_epochs",
@@ -138,7 +140,7 @@ class TrainRun:
             raise ConfigError("model options are named by strings")
         set_("model_options", options)
         if self.limit is not None:
-            check_int("limit", self.limit, 1, error=ConfigError)
+            set_("limit", check_int("limit", self.limit, 1, error=ConfigError))
         if self.time_limit is not None:
             set_("time_limit", parse_radius(self.time_limit, "time_limit"))
         check_flags(self, ("download", "compile", "resume", "overwrite"), ConfigError)
