@@ -166,10 +166,10 @@ def test_api_reads_eps_as_the_command_line_does():
             AttackSettings(**bad)
 
 
-def test_numpy_integers_count_as_integers_and_are_stored_as_ints():
-    """A count from numpy (np.arange, a shape) is an integer like any other, and the configs
-    keep it as a Python int, which JSON records and checkpoint metadata can hold; a numpy bool
-    stays refused, as a Python bool is."""
+def test_numpy_numbers_count_as_numbers_and_are_stored_as_python_ones():
+    """A count from numpy (np.arange, a shape) is an integer like any other, and a float32 a
+    number: the configs keep them as Python ints and floats, which JSON records and
+    checkpoint metadata can hold; a numpy bool stays refused, as a Python bool is."""
     from lofast.config import AttackSettings, CertifyConfig, ModelConfig, TrainConfig
     from lofast.errors import ConfigError
 
@@ -182,6 +182,15 @@ def test_numpy_integers_count_as_integers_and_are_stored_as_ints():
     train = TrainConfig(epochs=numpy.int64(2), batch_size=numpy.int32(8), seed=numpy.int64(1))
     assert (type(train.epochs), type(train.batch_size), type(train.seed)) == (int, int, int)
     assert type(CertifySettings(seed=numpy.int64(3)).seed) is int
+    train = TrainConfig(lr=numpy.float32(1e-3), train_eps=numpy.float64(0.1),
+                        clean_mix=numpy.float32(0.5), warmup_epochs=numpy.int64(1))
+    stored = (train.lr, train.train_eps, train.clean_mix, train.warmup_epochs)
+    assert [type(v) for v in stored] == [float, float, float, float] and train.clean_mix == 0.5
+    model = ModelConfig(value_cap=numpy.float32(0.5), input_center=numpy.float16(0.5))
+    assert json.loads(model.to_json())["value_cap"] == 0.5
+    settings = CertifySettings(guarantee="exact", jacobian_slack=numpy.float32(0.5))
+    slack = settings.method.jacobian_slack
+    assert type(slack) is float and slack == 0.5
     for bad in (numpy.bool_(True), numpy.float64(2.0), numpy.int64(0)):
         with pytest.raises(ConfigError):
             CertifyConfig(eps=0.05, limit=bad)

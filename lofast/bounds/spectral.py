@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -152,9 +153,10 @@ class SpectralMethod:
         if self.estimate_steps < 1:
             raise ValueError("estimate_steps must be at least 1")
         slack = self.jacobian_slack
-        if isinstance(slack, bool) or not isinstance(slack, (int, float)) \
+        if isinstance(slack, bool) or not isinstance(slack, numbers.Real) \
                 or not 0.0 <= slack <= 1.0:  # NaN fails too
             raise ValueError(f"jacobian_slack must be a number in [0, 1], not {slack!r}")
+        object.__setattr__(self, "jacobian_slack", float(slack))  # numpy's too, as a float
 
     @property
     def guarantee(self) -> Guarantee:

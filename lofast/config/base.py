@@ -108,7 +108,14 @@ MAX_SEED = 2**63 - 1
 
 
 def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number of Python or numpy (float32, int64, ...), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def plain_number(value: Any) -> int | float:
+    """A Python int or float as it is, any other real number (numpy's) as a float: what JSON
+    records and checkpoint metadata can hold."""
+    return value if type(value) in (int, float) else float(value)
 
 
 def check_int(name: str, value: Any, minimum: int, maximum: int | None = None,
@@ -132,6 +139,9 @@ def check_flags(owner: Any, names: tuple[str, ...],
             raise error(f"{name} must be true or false, not {getattr(owner, name)!r}")
 
 
-def check_positive(name: str, value: Any, error: type[LofastError] = LofastError) -> None:
+def check_positive(name: str, value: Any, error: type[LofastError] = LofastError) -> int | float:
+    """``value`` as a plain number (``plain_number``, which callers store): it must be a
+    positive finite real number; ``error`` otherwise."""
     if not _is_real(value) or not math.isfinite(value) or value <= 0:
         raise error(f"{name} must be a positive finite number, not {value!r}")
+    return plain_number(value)

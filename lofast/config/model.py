@@ -17,6 +17,7 @@ from lofast.config.base import (
     check_int,
     check_positive,
     plain_dict,
+    plain_number,
 )
 from lofast.errors import LofastError
 
@@ -76,12 +77,13 @@ class ModelConfig:
             object.__setattr__(self, name, check_int(name, getattr(self, name),
                                                      minimum=2 if name == "num_classes" else 1))
         for name in ("embed_cap", "value_cap", "output_cap", "attn_radius"):
-            check_positive(name, getattr(self, name))
+            object.__setattr__(self, name, check_positive(name, getattr(self, name)))
         for name in ("query_key_cap", "mlp_radius", "final_radius", "score_norm", "value_norm"):
             if getattr(self, name) is not None:
-                check_positive(name, getattr(self, name))
+                object.__setattr__(self, name, check_positive(name, getattr(self, name)))
         if not _is_real(self.input_center) or not math.isfinite(self.input_center):
             raise LofastError(f"input_center must be a finite number, not {self.input_center!r}")
+        object.__setattr__(self, "input_center", plain_number(self.input_center))
         # frozen: the names read from a file become their members once, here
         object.__setattr__(self, "pool", Pooling.parse("pool", self.pool))
         object.__setattr__(self, "query_key", Weights.parse("query_key", self.query_key))

@@ -18,6 +18,7 @@ from lofast.config.base import (
     check_flags,
     check_int,
     check_positive,
+    plain_number,
 )
 from lofast.config.certify import _optional_path, parse_radius
 from lofast.config.model import INIT_OPTIONS, PRESETS
@@ -68,16 +69,18 @@ class TrainConfig:
                                                          MAX_BATCH_SIZE, ConfigError))
         object.__setattr__(self, "seed", check_int("seed", self.seed, 0, MAX_SEED, ConfigError))
         for name in ("lr", "temperature"):
-            check_positive(name, getattr(self, name), ConfigError)
+            object.__setattr__(self, name, check_positive(name, getattr(self, name), ConfigError))
         for name in ("weight_decay", "warmup_epochs", "margin", "train_eps", "eps_ramp_epochs",
                      "ablation_margin", "ablation_weight", "logit_annealing"):
             value = getattr(self, name)
             if not _is_real(value) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{name} must be a finite number >= 0, not {value!r}")
+            object.__setattr__(self, name, plain_number(value))
         if self.loss is Loss.CERTIFIED and not self.train_eps > 0:
             raise ConfigError("--loss certified needs a positive --train-eps")
         if not _is_real(self.clean_mix) or not 0.0 <= self.clean_mix <= 1.0:
             raise ConfigError("clean mix must lie in [0, 1]")
+        object.__setattr__(self, "clean_mix", plain_number(self.clean_mix))
         check_flags(self, ("softmax_jacobian", "augment", "amp", "cpu_amp"), ConfigError)
         if self.cpu_amp and not self.amp:
             raise ConfigError("--cpu-amp autocasts as --amp does, on a CPU too: it cannot go "
