@@ -351,17 +351,23 @@ def test_api_train_refuses_bad_settings_before_any_work(settings, monkeypatch, t
 
 
 def test_api_trains_and_certifies_with_everything_the_command_has(data_dir, tmp_path):
-    """lofast.train writes a checkpoint as `lofast train` does (its record included), and
-    lofast.certify runs the attack with records to a file, resumed."""
+    """lofast.train writes a checkpoint as `lofast train` does (its record included; model
+    options given as numpy scalars reach its JSON as Python values), and lofast.certify runs
+    the attack with records to a file, resumed."""
     out = tmp_path / "m.safetensors"
     history = lofast.train(data_dir, out, dataset="folder", preset="tiny", epochs=1,
-                           batch_size=16, device="cpu")
+                           batch_size=numpy.int64(16), device="cpu",
+                           model_options={"depth": numpy.int64(2), "value_cap": numpy.float32(0.5)})
     assert len(history) == 1 and out.exists()
     from lofast.checkpoint import read_metadata
 
     meta = read_metadata(out)
     assert meta["classes"] == [f"class{c}" for c in range(4)]
     assert meta["train_options"]["preset"] == "tiny" and meta["epochs"] == 1
+    assert meta["train_options"]["model_options"] == {"depth": 2, "value_cap": 0.5}
+    with pytest.raises(lofast.errors.ConfigError, match="one value"):
+        lofast.train(data_dir, tmp_path / "n.safetensors", dataset="folder", epochs=1,
+                     model_options={"depth": numpy.arange(2)})
     with pytest.raises(lofast.errors.ConfigError):
         lofast.train(data_dir, tmp_path / "n.safetensors", dataset="folder", epochs=1,
                      no_such_setting=1)

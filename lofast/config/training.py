@@ -90,6 +90,21 @@ class TrainConfig:
 DEFAULT_PRESET = "paper-d3"  # the architecture of a run given neither a preset nor --init
 
 
+def _plain_option(name: str, value: Any) -> Any:
+    """A model option's value with a numpy or torch scalar made the Python one (``.item()``):
+    the options go into the checkpoint's JSON metadata, which cannot hold numpy's types, and
+    ``ModelConfig`` checks the values themselves."""
+    if value is None or isinstance(value, (str, bytes, bool, int, float)):
+        return value
+    item = getattr(value, "item", None)
+    if item is None:
+        return value
+    try:
+        return item()
+    except (ValueError, RuntimeError):  # an array of several values
+        raise ConfigError(f"model option {name} must be one value, not {value!r}") from None
+
+
 @dataclass(frozen=True)
 class TrainRun:
     """What a training run reads and writes beside its ``TrainConfig``, as ``lofast train`` and
@@ -141,7 +156,7 @@ class TrainRun:
         options = dict(self.model_options or {})
         if not all(isinstance(k, str) for k in options):
             raise ConfigError("model options are named by strings")
-        set_("model_options", options)
+        set_("model_options", {k: _plain_option(k, v) for k, v in options.items()})
         if self.limit is not None:
             set_("limit", check_int("limit", self.limit, 1, error=ConfigError))
         if self.time_limit is not None:
