@@ -89,7 +89,7 @@
 # default from 43.11 to 45.12, 45.76, 46.38, 46.63, 46.82, 47.38, 47.79, 47.94, then 47.92 % at
 # 36/255: stalled at lr 4e-3 and batch 250, so a GPU slot should try lr 1.6e-2 and batch 500+
 # for many epochs: 12 of them on a CPU, from the default, fell to 52.8 % test accuracy after
-# the first and came back only to 47.53 % at 36/255),
+# the first and came back only to 47.53 % at 36/255; 10 at lr 4e-3: 47.60 %),
 # BATCH (its batch size, default 250; 500 and 1000 also divide the training set;
 # at equal steps and lr 1.6e-2 x BATCH / 250 a CPU screen certified 1.2 / 1.6 points more),
 # LIMIT (certify only the first LIMIT test images; default all), PASS_SECONDS, TRAIN_ARGS, INIT,
