@@ -118,6 +118,21 @@ def plain_number(value: Any) -> int | float:
     return value if type(value) in (int, float) else float(value)
 
 
+def plain_option(name: str, value: Any, error: type[LofastError] = LofastError) -> Any:
+    """A model option's value with a numpy or torch scalar made the Python one (``.item()``):
+    the options go into the checkpoint's JSON metadata, which cannot hold numpy's types, and
+    ``ModelConfig`` checks the values themselves."""
+    if value is None or isinstance(value, (str, bytes, bool, int, float)):
+        return value
+    item = getattr(value, "item", None)
+    if item is None:
+        return value
+    try:
+        return item()
+    except (ValueError, RuntimeError):  # an array of several values
+        raise error(f"model option {name} must be one value, not {value!r}") from None
+
+
 def check_int(name: str, value: Any, minimum: int, maximum: int | None = None,
               error: type[LofastError] = LofastError) -> int:
     """``value`` as a Python int: it must be an integer (a Python or numpy one, not a bool) in

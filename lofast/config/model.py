@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -70,27 +71,26 @@ class ModelConfig:
     live_first: bool = False
 
     def __post_init__(self) -> None:
+        set_ = functools.partial(object.__setattr__, self)  # frozen: normalised once, here
         # Every value here reaches the forward pass, and the radii reach the Lipschitz
         # accounting: a value read from a file is checked like any other input.
         for name in ("image_size", "channels", "num_classes", "patch_size", "width", "depth",
                      "heads", "mlp_ratio"):
-            object.__setattr__(self, name, check_int(name, getattr(self, name),
-                                                     minimum=2 if name == "num_classes" else 1))
+            set_(name, check_int(name, getattr(self, name), 2 if name == "num_classes" else 1))
         for name in ("embed_cap", "value_cap", "output_cap", "attn_radius"):
-            object.__setattr__(self, name, check_positive(name, getattr(self, name)))
+            set_(name, check_positive(name, getattr(self, name)))
         for name in ("query_key_cap", "mlp_radius", "final_radius", "score_norm", "value_norm"):
             if getattr(self, name) is not None:
-                object.__setattr__(self, name, check_positive(name, getattr(self, name)))
+                set_(name, check_positive(name, getattr(self, name)))
         if not _is_real(self.input_center) or not math.isfinite(self.input_center):
             raise LofastError(f"input_center must be a finite number, not {self.input_center!r}")
-        object.__setattr__(self, "input_center", plain_number(self.input_center))
-        # frozen: the names read from a file become their members once, here
-        object.__setattr__(self, "pool", Pooling.parse("pool", self.pool))
-        object.__setattr__(self, "query_key", Weights.parse("query_key", self.query_key))
-        object.__setattr__(self, "value_output",
-                           Weights.parse("value_output", self.value_output))
+        set_("input_center", plain_number(self.input_center))
+        # the names read from a file become their members
+        set_("pool", Pooling.parse("pool", self.pool))
+        set_("query_key", Weights.parse("query_key", self.query_key))
+        set_("value_output", Weights.parse("value_output", self.value_output))
         if self.live_blocks is not None:
-            object.__setattr__(self, "live_blocks", check_int("live_blocks", self.live_blocks, 1))
+            set_("live_blocks", check_int("live_blocks", self.live_blocks, 1))
             if self.live_blocks > self.depth:
                 raise LofastError(f"live_blocks {self.live_blocks} exceeds depth {self.depth}")
         check_flags(self, ("position_bias", "live_first"))

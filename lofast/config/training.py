@@ -19,6 +19,7 @@ from lofast.config.base import (
     check_int,
     check_positive,
     plain_number,
+    plain_option,
 )
 from lofast.config.certify import _optional_path, parse_radius
 from lofast.config.model import INIT_OPTIONS, PRESETS
@@ -58,29 +59,29 @@ class TrainConfig:
     cpu_amp: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "loss", Loss.parse("loss", self.loss, ConfigError))
-        object.__setattr__(self, "schedule", Schedule.parse("schedule", self.schedule, ConfigError))
+        set_ = functools.partial(object.__setattr__, self)  # frozen: normalised once, here
+        set_("loss", Loss.parse("loss", self.loss, ConfigError))
+        set_("schedule", Schedule.parse("schedule", self.schedule, ConfigError))
         for name in ("epochs", "power_iterations"):
-            object.__setattr__(self, name, check_int(name, getattr(self, name), 1,
-                                                     error=ConfigError))
+            set_(name, check_int(name, getattr(self, name), 1, error=ConfigError))
         # the command line's ranges: a batch past MAX_BATCH_SIZE is a typo that would ask for
         # the whole training set's certified-loss activations at once
-        object.__setattr__(self, "batch_size", check_int("batch_size", self.batch_size, 1,
-                                                         MAX_BATCH_SIZE, ConfigError))
-        object.__setattr__(self, "seed", check_int("seed", self.seed, 0, MAX_SEED, ConfigError))
+        set_("batch_size", check_int("batch_size", self.batch_size, 1, MAX_BATCH_SIZE,
+                                     ConfigError))
+        set_("seed", check_int("seed", self.seed, 0, MAX_SEED, ConfigError))
         for name in ("lr", "temperature"):
-            object.__setattr__(self, name, check_positive(name, getattr(self, name), ConfigError))
+            set_(name, check_positive(name, getattr(self, name), ConfigError))
         for name in ("weight_decay", "warmup_epochs", "margin", "train_eps", "eps_ramp_epochs",
                      "ablation_margin", "ablation_weight", "logit_annealing"):
             value = getattr(self, name)
             if not _is_real(value) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{name} must be a finite number >= 0, not {value!r}")
-            object.__setattr__(self, name, plain_number(value))
+            set_(name, plain_number(value))
         if self.loss is Loss.CERTIFIED and not self.train_eps > 0:
             raise ConfigError("--loss certified needs a positive --train-eps")
         if not _is_real(self.clean_mix) or not 0.0 <= self.clean_mix <= 1.0:
             raise ConfigError("clean mix must lie in [0, 1]")
-        object.__setattr__(self, "clean_mix", plain_number(self.clean_mix))
+        set_("clean_mix", plain_number(self.clean_mix))
         check_flags(self, ("softmax_jacobian", "augment", "amp", "cpu_amp"), ConfigError)
         if self.cpu_amp and not self.amp:
             raise ConfigError("--cpu-amp autocasts as --amp does, on a CPU too: it cannot go "
@@ -88,21 +89,6 @@ class TrainConfig:
 
 
 DEFAULT_PRESET = "paper-d3"  # the architecture of a run given neither a preset nor --init
-
-
-def _plain_option(name: str, value: Any) -> Any:
-    """A model option's value with a numpy or torch scalar made the Python one (``.item()``):
-    the options go into the checkpoint's JSON metadata, which cannot hold numpy's types, and
-    ``ModelConfig`` checks the values themselves."""
-    if value is None or isinstance(value, (str, bytes, bool, int, float)):
-        return value
-    item = getattr(value, "item", None)
-    if item is None:
-        return value
-    try:
-        return item()
-    except (ValueError, RuntimeError):  # an array of several values
-        raise ConfigError(f"model option {name} must be one value, not {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -156,7 +142,7 @@ class TrainRun:
         options = dict(self.model_options or {})
         if not all(isinstance(k, str) for k in options):
             raise ConfigError("model options are named by strings")
-        set_("model_options", {k: _plain_option(k, v) for k, v in options.items()})
+        set_("model_options", {k: plain_option(k, v, ConfigError) for k, v in options.items()})
         if self.limit is not None:
             set_("limit", check_int("limit", self.limit, 1, error=ConfigError))
         if self.time_limit is not None:
