@@ -50,6 +50,18 @@ def trained_with_coordinate_values():
 
 
 @pytest.fixture(scope="module")
+def trained_with_plain_head():
+    """A head without last-layer normalisation, its rows scaled to norms 0.3-3 (far from the
+    unit rows of a normalised head)."""
+    model, x, y = train_tiny(normalized_head=False)
+    with torch.no_grad():
+        head = model.stages[-1].weight
+        head.mul_(torch.linspace(0.3, 3.0, len(head))[:, None]
+                  / torch.linalg.vector_norm(head, dim=1, keepdim=True))
+    return model, x, y
+
+
+@pytest.fixture(scope="module")
 def with_strong_spread_attention(trained_with_position_bias):
     """The biased model with every head's Wq_l, Wk_l replaced by random weights whose singular
     values spread by a ratio of 100, rescaled to ||A_l|| / s = 4 (the benchmarks'
@@ -89,7 +101,8 @@ def test_model_learned_and_some_samples_certify(trained, certificate):
                                                ("verified", "trained_with_position_bias"),
                                                ("verified", "trained_with_live_attention"),
                                                ("verified", "trained_with_coordinate_values"),
-                                               ("verified", "with_strong_spread_attention")])
+                                               ("verified", "with_strong_spread_attention"),
+                                               ("verified", "trained_with_plain_head")])
 def test_certified_samples_survive_pgd(kind, model_name, request):
     """Attack every sample just inside its certified radius: that ball contains the ball of
     every eps it is certified at, so one strong attack there checks all its verdicts. Both
@@ -275,6 +288,25 @@ def test_feature_bound_exceeds_pgd_feature_deviation(kind, model_name, request):
                 opt.step()
         assert (best <= bound * (1 + 1e-9)).all()
         assert (best > 0.05 * bound).all()  # the attack really tried
+
+
+def test_a_plain_head_is_certified_by_its_own_pair_norms(trained_with_plain_head):
+    """Scaling a plain head's weight and bias by c scales every logit margin and every pair norm
+    ||w_y - w_j|| by c, so the radii stay where they are: the certificate reads the head's own
+    rows (a rule that took them as unit rows would grow the radii c times)."""
+    model, x, y = trained_with_plain_head
+    assert not model.stages[-1].normalized
+    torch.testing.assert_close(model.structure()[-1].weight,
+                               model.stages[-1].weight.detach().double())
+    radius = Certifier(model, CertifySettings()).certify(x, y).radius()
+    assert (radius > 0).sum() >= 5
+    scaled = copy.deepcopy(model)
+    with torch.no_grad():
+        scaled.stages[-1].weight.mul_(8.0)
+        scaled.stages[-1].bias.mul_(8.0)
+        torch.testing.assert_close(scaled(x), 8.0 * model(x))
+    torch.testing.assert_close(Certifier(scaled, CertifySettings()).certify(x, y).radius(),
+                               radius, rtol=1e-9, atol=1e-12)
 
 
 def test_verdicts_monotone_and_consistent_with_radius(certificate):

@@ -11,8 +11,8 @@ from lofast.errors import LofastError
 from lofast.models.layers import (
     SLL,
     Attention,
+    Head,
     LayerProject,
-    NormalizedHead,
     PatchEmbed,
     Pool,
     spectral_cap,
@@ -154,9 +154,31 @@ def test_pool_and_head_constants():
     pool = Pool("mean", 9)
     ratio = max_ratio(pool, tokens(n=9))
     assert ratio <= 1 / math.sqrt(9) * (1 + SLACK)
-    head = NormalizedHead(16, 10)
+    head = Head(16, 10)
     torch.testing.assert_close(torch.linalg.vector_norm(head.effective_weight(), dim=1),
                                torch.ones(10))
+
+
+def test_a_plain_head_keeps_its_rows_through_a_checkpoint(tmp_path):
+    from lofast.checkpoint import load_checkpoint, save_checkpoint
+
+    config = preset("tiny", normalized_head=False)
+    assert json.loads(config.to_json())["normalized_head"] is False
+    model = create_model(config, seed=0)
+    with torch.no_grad():
+        model.stages[-1].weight.mul_(5.0)
+    assert torch.equal(model.stages[-1].effective_weight(), model.stages[-1].weight)
+    save_checkpoint(tmp_path / "plain.safetensors", model)
+    loaded = load_checkpoint(tmp_path / "plain.safetensors")
+    assert loaded.config == config and not loaded.stages[-1].normalized
+    x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(loaded(x), model.eval()(x))
+    # a config written before the field existed reads as the normalised head
+    written = json.loads(preset("tiny").to_json())
+    del written["normalized_head"]
+    assert ModelConfig.from_dict(written).normalized_head is True
+    with pytest.raises(LofastError, match="normalized_head must be true or false"):
+        preset("tiny", normalized_head="no")
 
 
 def test_structure_matches_forward_and_activations():

@@ -69,6 +69,9 @@ class ModelConfig:
     # projected patches themselves. The others keep learned, capped weights.
     live_blocks: int | None = None
     live_first: bool = False
+    # Unit-norm rows in the classifier (last-layer normalisation; False: free rows, the logits'
+    # scale learned with them, as the softmax temperature would be).
+    normalized_head: bool = True
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)  # frozen: normalised once, here
@@ -93,7 +96,7 @@ class ModelConfig:
             set_("live_blocks", check_int("live_blocks", self.live_blocks, 1))
             if self.live_blocks > self.depth:
                 raise LofastError(f"live_blocks {self.live_blocks} exceeds depth {self.depth}")
-        check_flags(self, ("position_bias", "live_first"))
+        check_flags(self, ("position_bias", "live_first", "normalized_head"))
         if self.image_size % self.patch_size:
             raise LofastError(
                 f"patch_size {self.patch_size} does not divide image_size {self.image_size}"

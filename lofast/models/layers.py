@@ -467,17 +467,23 @@ class Pool(nn.Module):
         return PoolSpec(kind=self.kind, num_tokens=self.num_tokens)
 
 
-class NormalizedHead(nn.Module):
-    """Linear classifier with unit-norm rows, so ||w_y - w_j|| <= 2 and margins cannot be
-    inflated by scaling the head."""
+class Head(nn.Module):
+    """Linear classifier. With ``normalized`` (the default) its rows have unit norm (last-layer
+    normalisation), so ||w_y - w_j|| <= 2 and margins cannot be inflated by scaling the head;
+    otherwise the rows are free and the logits' scale is learned with them. Either way the
+    certificate reads the pair norms ||w_y - w_j|| of the weights in use (``HeadSpec``)."""
 
-    def __init__(self, width: int, num_classes: int) -> None:
+    def __init__(self, width: int, num_classes: int, normalized: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(num_classes, width) / math.sqrt(width))
         self.bias = nn.Parameter(torch.zeros(num_classes))
+        self.normalized = normalized
 
     def effective_weight(self) -> Tensor:
-        """The rows scaled to unit norm; a zero row stays zero (its class scores its bias)."""
+        """The rows, scaled to unit norm if ``normalized``; a zero row stays zero (its class
+        scores its bias)."""
+        if not self.normalized:
+            return self.weight
         norms = torch.linalg.vector_norm(self.weight, dim=1, keepdim=True)
         return self.weight / norms.clamp_min(torch.finfo(norms.dtype).tiny)
 

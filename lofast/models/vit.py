@@ -16,9 +16,9 @@ from lofast.errors import LofastError
 from lofast.models.layers import (
     SLL,
     Attention,
+    Head,
     HoldsCappedWeights,
     LayerProject,
-    NormalizedHead,
     PatchEmbed,
     Pool,
     hold_capped_weights,
@@ -56,7 +56,7 @@ class LipschitzViT(nn.Module):
         if c.final_radius is not None:
             stages.append(LayerProject(c.final_radius))
         stages.append(Pool(c.pool, c.num_tokens))
-        stages.append(NormalizedHead(c.width, c.num_classes))
+        stages.append(Head(c.width, c.num_classes, c.normalized_head))
         self.stages = nn.ModuleList(stages)
         self._held = False  # hold_effective_weights(True) in force
 
