@@ -236,6 +236,20 @@ def test_score_norm_can_be_added_to_a_trained_model():
         with_options(model, heads=1)
 
 
+def test_a_trained_head_can_be_freed_from_its_unit_rows():
+    model = create_model(preset("tiny"), seed=0).double().eval()
+    with torch.no_grad():
+        model.stages[-1].weight.mul_(3.0)  # stored rows need not have unit norm
+    freed = with_options(model, normalized_head=False).eval()
+    assert not freed.stages[-1].normalized
+    torch.testing.assert_close(torch.linalg.vector_norm(freed.stages[-1].weight, dim=1),
+                               torch.ones(10, dtype=torch.float64))
+    x = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    torch.testing.assert_close(freed(x), model(x))  # the same function
+    with pytest.raises(LofastError, match="take on only"):
+        with_options(freed, normalized_head=True)
+
+
 def test_identity_query_key_drops_the_learned_weights():
     model = create_model(preset("tiny"), seed=0)
     similar = with_options(model, query_key="identity", score_norm=1.0)

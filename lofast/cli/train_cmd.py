@@ -55,9 +55,10 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
                    "(the same function) to a checkpoint without them, score_norm=G, which "
                    "fixes every head's ||Wq_l Wk_l^T|| at G, query_key=identity, which "
                    "replaces the learned Wq, Wk by the identity, value_norm=B, which fixes "
-                   "every head's ||Wv_l Wo_l|| at B, and live_blocks=N, which confines those "
-                   "three to the last N blocks (value_output=identity and live_first=true only "
-                   "from scratch).")
+                   "every head's ||Wv_l Wo_l|| at B, live_blocks=N, which confines those "
+                   "three to the last N blocks, and normalized_head=false, which frees the "
+                   "head's rows from their unit norms (the same function; value_output=identity "
+                   "and live_first=true only from scratch).")
 @click.option("--epochs", type=click.IntRange(min=1), default=TrainConfig.epochs,
               show_default=True)
 @click.option("--batch-size", type=click.IntRange(1, MAX_BATCH_SIZE),

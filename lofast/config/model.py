@@ -189,4 +189,5 @@ INIT_OPTIONS = {
     "query_key": "'identity': Wq = Wk = I, the learned query and key weights dropped",
     "value_norm": "every head's ||Wv_l Wo_l|| fixed at this value (attention kept alive)",
     "live_blocks": "the three options above only in the last N blocks",
+    "normalized_head": "'false': the head's rows freed, from the unit rows (the same function)",
 }

@@ -141,15 +141,20 @@ def with_options(model: LipschitzViT, **changes) -> LipschitzViT:
     """A copy of ``model`` with config fields from INIT_OPTIONS changed: position_bias=True adds
     zero biases (the same function); score_norm rescales every head's scores to that norm;
     query_key='identity' replaces the learned Wq, Wk by the identity; value_norm rescales every
-    head's value path to that norm; live_blocks limits these to the last blocks."""
+    head's value path to that norm; live_blocks limits these to the last blocks;
+    normalized_head=False frees the head's rows, starting from the unit rows (the same
+    function)."""
     unknown = sorted(set(changes) - set(INIT_OPTIONS))
     if (unknown or changes.get("position_bias", True) is not True
-            or changes.get("query_key", Weights.IDENTITY) != Weights.IDENTITY):
+            or changes.get("query_key", Weights.IDENTITY) != Weights.IDENTITY
+            or changes.get("normalized_head", False) is not False):
         raise LofastError(f"a trained model can take on only: "
                           f"{', '.join(f'{k} ({v})' for k, v in INIT_OPTIONS.items())}")
     like = next(model.parameters())
     extended = LipschitzViT(dataclasses.replace(model.config, **changes)).to(like)
     kept = {k: v for k, v in model.state_dict().items() if k in extended.state_dict()}
+    if model.config.normalized_head and not extended.config.normalized_head:
+        kept[f"stages.{len(model.stages) - 1}.weight"] = model.stages[-1].effective_weight().detach()
     dropped = set(model.state_dict()) - set(kept)
     assert all(k.endswith((".weights.query", ".weights.key")) for k in dropped)
     missing, unexpected = extended.load_state_dict(kept, strict=False)
