@@ -298,6 +298,10 @@ def test_a_plain_head_is_certified_by_its_own_pair_norms(trained_with_plain_head
     assert not model.stages[-1].normalized
     torch.testing.assert_close(model.structure()[-1].weight,
                                model.stages[-1].weight.detach().double())
+    # the pair norms the margin test reads, against a dense float64 reference on the raw rows
+    rows = model.stages[-1].weight.detach().double()
+    torch.testing.assert_close(model.structure()[-1].pair_norms(y),
+                               torch.cdist(rows, rows)[y], rtol=1e-12, atol=1e-12)
     radius = Certifier(model, CertifySettings()).certify(x, y).radius()
     assert (radius > 0).sum() >= 5
     scaled = copy.deepcopy(model)
