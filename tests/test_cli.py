@@ -64,8 +64,11 @@ def test_resume_continues_from_saved_state(data_dir, tmp_path):
 
 
 def test_resume_reads_a_state_written_before_a_setting_existed(data_dir, tmp_path):
-    """A state whose saved settings lack one added since (logit_annealing) resumes when the
-    run keeps that setting's default, and is refused when it asks for another value."""
+    """A state whose saved settings lack ones added since (logit_annealing, the model's
+    normalized_head) resumes when the run keeps their defaults, and is refused when it asks
+    for another value."""
+    import json
+
     import torch
 
     out = tmp_path / "old.safetensors"
@@ -77,9 +80,14 @@ def test_resume_reads_a_state_written_before_a_setting_existed(data_dir, tmp_pat
     state = torch.load(state_path, weights_only=False)
     state["train_config"]["epochs"] = 2  # as if stopped after epoch 1 of a 2-epoch run
     del state["train_config"]["logit_annealing"]
+    model_config = json.loads(state["plan"]["model_config"])
+    del model_config["normalized_head"]
+    state["plan"]["model_config"] = json.dumps(model_config, sort_keys=True)
     torch.save(state, state_path)
     refused = runner.invoke(cli, args + ["--resume", "--logit-annealing", "2"])
     assert refused.exit_code == 1 and "differ" in refused.output
+    plain_head = runner.invoke(cli, args + ["--resume", "--model-option", "normalized_head=false"])
+    assert plain_head.exit_code == 1 and "model_config" in plain_head.output
     resumed = runner.invoke(cli, args + ["--resume"])
     assert resumed.exit_code == 0, resumed.output
     assert "epoch 1/2" not in resumed.output and "epoch 2/2" in resumed.output

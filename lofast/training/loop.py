@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import threading
@@ -17,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lofast.config import Loss, Schedule, TrainConfig, plain_dict
+from lofast.config import Loss, ModelConfig, Schedule, TrainConfig, plain_dict
 from lofast.errors import LofastError, TimeLimitReached, TrainingInterrupted
 from lofast.files import atomic_write, check_readable
 from lofast.models.vit import LipschitzViT
@@ -167,7 +168,11 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
         if saved_config != plain_dict(config):
             raise LofastError(f"{state_path}: the training settings differ from this run's; "
                               "resume with the same options")
-        saved_plan = state.get("plan") or {}
+        saved_plan = dict(state.get("plan") or {})
+        if "model_config" in saved_plan:
+            # likewise a model field added since: its default is the model the state trained
+            saved_plan["model_config"] = ModelConfig.from_dict(
+                json.loads(saved_plan["model_config"])).to_json()
         changed = sorted(k for k in set(saved_plan) | set(plan or {})
                          if saved_plan.get(k) != (plan or {}).get(k))
         if saved_plan and plan and changed:
