@@ -169,10 +169,11 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
             raise LofastError(f"{state_path}: the training settings differ from this run's; "
                               "resume with the same options")
         saved_plan = dict(state.get("plan") or {})
-        if "model_config" in saved_plan:
-            # likewise a model field added since: its default is the model the state trained
+        try:  # likewise a model field added since: its default is the model the state trained
             saved_plan["model_config"] = ModelConfig.from_dict(
                 json.loads(saved_plan["model_config"])).to_json()
+        except (KeyError, TypeError, ValueError, LofastError):
+            pass  # absent or unreadable: compared as written, so such a state is refused below
         changed = sorted(k for k in set(saved_plan) | set(plan or {})
                          if saved_plan.get(k) != (plan or {}).get(k))
         if saved_plan and plan and changed:
