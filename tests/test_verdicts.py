@@ -405,6 +405,41 @@ def test_report_refuses_a_foreign_file(tmp_path):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("change, named", [
+    ({"prediction": 3}, "margin's sign"),  # another class predicted with a positive margin
+    ({"margin": 0.0}, "not classified correctly"),  # a tie is never certified
+    ({"margin": -0.01}, "margin's sign"),  # the label wins with a negative margin
+    ({"prediction": 3, "margin": -0.01, "radius": 0.0, "verdicts": {"0.05": False},
+      "verifiers": {"0.05": None}, "certified_radius": 0.0}, None),  # a misclassified sample
+    ({"prediction": 3, "margin": -0.01, "radius": 0.0, "verdicts": {"0.05": True},
+      "verifiers": {"0.05": "crown"}, "certified_radius": 0.05}, "not classified correctly"),
+    ({"falsified": {"0.05": True}}, "counterexample within"),  # certified and broken at 0.05
+    ({"radius": 0.04, "verdicts": {"0.05": False}, "verifiers": {"0.05": None},
+      "certified_radius": 0.04, "falsified": {"0.05": True}}, None),  # broken beyond 0.04
+    ({"prediction": -1}, "not a lofast record"),
+])
+def test_report_refuses_a_record_that_contradicts_itself(tmp_path, change, named):
+    """A record file is read back by `lofast report` (and its --require gate) and by --resume:
+    one that certifies a sample it calls misclassified, or holds a counterexample inside its
+    certified radius, would be counted as it stands, so it is refused in one line naming the
+    contradiction; the consistent variants read."""
+    from lofast.certification.records import EpsResult, SampleRecord, header_line
+
+    record = SampleRecord(index=0, label=1, prediction=1, margin=0.2, radius=0.08,
+                          results={0.05: EpsResult(certified=True, verifier="lofast", bound=0.01)})
+    line = {**json.loads(record.to_json())}
+    for key, value in change.items():
+        line[key] = {**line[key], **value} if isinstance(value, dict) and key in line else value
+    path = tmp_path / "run.jsonl"
+    path.write_text(header_line([0.05], {}) + json.dumps(line) + "\n")
+    result = CliRunner().invoke(cli, ["report", str(path)])
+    if named is None:
+        assert result.exit_code == 0, result.output
+        return
+    assert result.exit_code == 1 and f"{path}:2: not a lofast record" in result.output
+    assert named in result.output and "Traceback" not in result.output
+
+
 def test_large_attacks_run_in_parts(trained, monkeypatch):
     """restarts x samples above MAX_ATTACK_IMAGES is attacked in parts of that size: the same
     shapes, every perturbation in the ball and the box, found ones checked; memory no longer

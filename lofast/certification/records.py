@@ -234,10 +234,31 @@ class RecordWriter:
             self.handle = None
 
 
+class ContradictoryRecord(ValueError):
+    """A record whose fields contradict each other (``_check_consistent``)."""
+
+
+def _check_consistent(record: SampleRecord) -> None:
+    """ContradictoryRecord for a record that contradicts itself, whatever wrote it (a summary
+    would count it): a margin whose sign disagrees with the prediction (margin = min_j z_y - z_j
+    is > 0 exactly when the label alone wins); a certificate (a radius or a verdict) of a sample
+    not classified correctly with a positive margin, which no verifier can give; a
+    counterexample within the radius the record certifies, which would make it false."""
+    if (record.margin > 0 and record.prediction != record.label) or (
+            record.margin < 0 and record.prediction == record.label):
+        raise ContradictoryRecord("its margin's sign disagrees with its prediction")
+    certified = record.certified_radius > 0 or any(r.certified for r in record.results.values())
+    if certified and not record.margin > 0:
+        raise ContradictoryRecord("it certifies a sample that is not classified correctly")
+    if any(r.falsified and e <= record.certified_radius for e, r in record.results.items()):
+        raise ContradictoryRecord("it holds a counterexample within its certified radius")
+
+
 def record_from_json(values: Any) -> SampleRecord:
     """A SampleRecord from one decoded JSON line; ValueError where a field is missing, unknown,
     of the wrong type, or out of range (a radius that is not a finite number >= 0, an eps key
-    that is not a positive radius in its exact text form, verdicts missing)."""
+    that is not a positive radius in its exact text form, verdicts missing), and
+    ContradictoryRecord (a ValueError) where its fields contradict each other."""
     if not isinstance(values, dict) or not (
             set(RECORD_FIELDS) <= set(values) <= set(RECORD_FIELDS) | set(OPTIONAL_FIELDS)):
         raise ValueError("not a record")
@@ -265,14 +286,19 @@ def record_from_json(values: Any) -> SampleRecord:
     if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
                              and math.isfinite(v)) for v in numbers):
         raise ValueError("numbers must be finite")
-    if min(values["index"], values["label"], values["radius"], values["seconds"]) < 0:
-        raise ValueError("index, label, radius and seconds must be >= 0")
+    if min(values["index"], values["label"], values["prediction"], values["radius"],
+           values["seconds"]) < 0:
+        raise ValueError("index, label, prediction, radius and seconds must be >= 0")
     per_eps = {name: values.pop(name, {}) for name in PER_EPS_FIELDS}
     values["results"] = {
         float(k): EpsResult(**{field: per_eps[name].get(k)
                                for name, field in PER_EPS_FIELDS.items()})
         for k in per_eps["verdicts"]}
-    return SampleRecord(**values)
+    record = SampleRecord(**values)
+    _check_consistent(record)
+    return record
+
+
 
 
 
@@ -351,6 +377,8 @@ def parse_records(lines: Iterable[bytes], path: Path, eps: Sequence[float] | Non
             record = record_from_json(values)
             if schema >= 2 and stated != record.certified_radius:
                 raise ValueError("certified radius does not match the verdicts")
+        except ContradictoryRecord as error:
+            raise LofastError(f"{path}:{number}: not a lofast record: {error}") from None
         except (UnicodeDecodeError, ValueError, RecursionError, TypeError):
             raise LofastError(f"{path}:{number}: not a lofast record (a file lofast certify "
                               "--out writes)") from None
