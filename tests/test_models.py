@@ -579,6 +579,39 @@ def test_an_eval_model_keeps_its_sll_rescaling_until_a_weight_changes(monkeypatc
     assert len(calls) == 3 * len(sll) + 1
 
 
+def test_a_change_through_data_is_taken_after_eval(monkeypatch):
+    """PyTorch counts no in-place change made through ``.data``; the kept caps and SLL
+    rescaling would then go stale (an SLL with a grown weight and its old t is not
+    1-Lipschitz), so ``eval()`` compares the tensors with the copies the kept values were made
+    from: after a change the outputs are again those of a fresh model with the new weights,
+    and without one ``eval()`` computes nothing again."""
+    from lofast.models import layers
+
+    model = create_model(preset("tiny", num_classes=4), seed=0).eval()
+    x = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    calls = []
+    original = layers.SLL._rescaling_now
+    monkeypatch.setattr(layers.SLL, "_rescaling_now",
+                        lambda self: calls.append(self) or original(self))
+    with torch.no_grad():
+        before = model(x)
+        count = len(calls)
+        model.eval()
+        assert torch.equal(model(x), before) and len(calls) == count  # unchanged: kept
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.data.mul_(2.0)
+        model.eval()
+        after = model(x)
+        assert len(calls) == 2 * count
+    fresh = create_model(preset("tiny", num_classes=4), seed=0).eval()
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        expected = fresh(x)
+    assert not torch.allclose(before, expected)
+    assert torch.equal(after, expected)
+
+
 def _kept_values_bypassed(monkeypatch):
     """Every derived quantity computed afresh, in the graph, as in a model that keeps none."""
     from lofast.models import layers

@@ -121,7 +121,20 @@ class KeepsWhileFrozen:
     matrices on the first forward pass only, with or without autograd: where gradients are
     recorded, the kept value takes part in the graph through ``_KeptValue``, which recomputes
     it only if a backward pass asks for the module's own gradients (an attack's gradient with
-    respect to the input never does)."""
+    respect to the input never does).
+
+    PyTorch counts no change made through ``.data`` (``p.data.mul_(2)`` leaves ``p._version``
+    as it was), so the version alone misses one: each kept value keeps a copy of the tensors
+    it was computed from, and ``eval()`` or ``train()`` (a switch of mode, or the same mode
+    again) forgets a value whose tensors no longer equal that copy (one comparison, no SVD)."""
+
+    def train(self, mode: bool = True):
+        kept = self.__dict__.get("_kept_values", {})
+        tensors = [*self.parameters(), *self.buffers()]
+        for name, (_, _, copies) in list(kept.items()):
+            if not _all_equal(tensors, copies):
+                del kept[name]
+        return super().train(mode)
 
     def _kept(self, name: str, compute):
         """compute(), or its value kept from an earlier call while the tensors are unchanged;
@@ -134,7 +147,7 @@ class KeepsWhileFrozen:
         kept = self.__dict__.setdefault("_kept_values", {})
         if name not in kept or kept[name][0] != key:
             with torch.no_grad():
-                kept[name] = (key, compute())
+                kept[name] = (key, compute(), [t.detach().clone() for t in tensors])
         value = kept[name][1]
         differentiable = [t for t in tensors if t.requires_grad]
         if not (torch.is_grad_enabled() and differentiable):
@@ -143,6 +156,13 @@ class KeepsWhileFrozen:
         leaves = [value[n] for n in names] if names is not None else [value]
         out = _KeptValue.apply(compute, names, len(differentiable), *differentiable, *leaves)
         return dict(zip(names, out)) if names is not None else out[0]
+
+
+def _all_equal(tensors: list[Tensor], copies: list[Tensor]) -> bool:
+    """Whether every tensor still equals its copy: the same shape, dtype, device and values."""
+    return len(tensors) == len(copies) and all(
+        t.shape == c.shape and t.dtype == c.dtype and t.device == c.device and torch.equal(t, c)
+        for t, c in zip(tensors, copies))
 
 
 class _KeptValue(torch.autograd.Function):
