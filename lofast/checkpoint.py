@@ -39,11 +39,12 @@ def save_checkpoint(path: str | os.PathLike, model: LipschitzViT,
 class Checkpoint:
     """A checkpoint read once: the model (eval mode), its metadata (JSON values decoded,
     'model_config' as a dict) and the SHA-256 of the file's bytes (hex), all from the same
-    bytes."""
+    bytes, and the file they were read from."""
 
     model: LipschitzViT
     metadata: dict[str, Any]
     sha256: str
+    path: Path
 
 
 def read_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
@@ -66,7 +67,8 @@ def read_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
         tensors = load(data)
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path}: corrupt checkpoint ({e})") from None
-    return Checkpoint(_model(path, metadata, tensors).to(device).eval(), metadata, digest)
+    return Checkpoint(_model(path, metadata, tensors).to(device).eval(), metadata, digest,
+                      path)
 
 
 def _header_metadata(path: Path, data: bytes) -> dict[str, str]:
@@ -253,6 +255,9 @@ def open_checkpoint(name_or_path: str | os.PathLike | None,
     except CheckpointError as e:
         if name_or_path is None:
             raise _no_default(e) from None
+        if shipped is None and not path.exists() and len(path.parts) == 1:  # a name mistyped?
+            raise CheckpointError(f"{e} (no such file, and no shipped model of that name: "
+                                  f"{', '.join(list_models())})") from None
         raise
 
 

@@ -43,6 +43,20 @@ def test_missing_file(tmp_path):
         load_checkpoint(tmp_path / "absent.safetensors")
 
 
+def test_a_mistyped_model_name_lists_the_shipped_ones(tmp_path, monkeypatch):
+    """A bare name that is neither a file nor a shipped model is likely a mistyped name: the
+    error lists the shipped ones (a path with folders does not)."""
+    from lofast.checkpoint import list_models, open_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match="not found: lofast-defualt") as named:
+        open_checkpoint("lofast-defualt")
+    assert all(name in str(named.value) for name in list_models())
+    with pytest.raises(CheckpointError) as path:
+        open_checkpoint(tmp_path / "absent.safetensors")
+    assert "shipped" not in str(path.value)
+
+
 def test_truncated_file(saved):
     _, path = saved
     data = path.read_bytes()

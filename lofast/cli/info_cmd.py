@@ -50,7 +50,7 @@ def info(checkpoint: Path, data_path, sample, dataset, split, limit, eps_values,
     """
     from lofast.bounds.attention_spec import AttentionSpec
     from lofast.bounds.spectral import matrix_norm_upper
-    from lofast.checkpoint import checkpoint_path, load_checkpoint, read_metadata
+    from lofast.checkpoint import open_checkpoint
     from lofast.errors import LofastError
 
     measuring = data_path is not None or sample
@@ -60,11 +60,10 @@ def info(checkpoint: Path, data_path, sample, dataset, split, limit, eps_values,
                    is click.core.ParameterSource.COMMANDLINE)
     if not measuring and (eps_values or limit or dataset or split_given or batch_size):
         raise LofastError("--eps, --n, --dataset, --split and --batch-size need --data or --sample")
-    checkpoint = checkpoint_path(str(checkpoint))  # a path, or a shipped model's name
-    model = load_checkpoint(checkpoint)
-    meta = read_metadata(checkpoint)
+    loaded = open_checkpoint(str(checkpoint))  # a path, or a shipped model's name; read once
+    model, meta = loaded.model, dict(loaded.metadata)
     config = meta.pop("model_config")
-    stdout.print(f"[bold]{checkpoint}[/]")
+    stdout.print(f"[bold]{loaded.path}[/]")
     stdout.print("model config: " + json.dumps(config, sort_keys=True))
     for key in sorted(meta):
         if key not in ("history", "train_options"):
