@@ -553,9 +553,9 @@ def test_an_eval_model_computes_its_exact_caps_once_until_a_weight_changes(monke
     assert not all(exact[count:])
 
 
-def test_an_eval_model_keeps_its_sll_rescaling_until_a_weight_changes(monkeypatch):
-    """The SLL layers' t (a k x k Gram matrix of W each) is kept like the caps: computed on the
-    first eval-mode pass without gradients, again after a weight changes, never in training."""
+def _counting_rescalings(monkeypatch):
+    """A tiny eval model, a batch for it, and the list of SLL layers whose t is computed, one
+    entry per computation."""
     from lofast.models import layers
 
     model = create_model(preset("tiny", num_classes=4), seed=0).eval()
@@ -564,6 +564,15 @@ def test_an_eval_model_keeps_its_sll_rescaling_until_a_weight_changes(monkeypatc
     original = layers.SLL._rescaling_now
     monkeypatch.setattr(layers.SLL, "_rescaling_now",
                         lambda self: calls.append(self) or original(self))
+    return model, x, calls
+
+
+def test_an_eval_model_keeps_its_sll_rescaling_until_a_weight_changes(monkeypatch):
+    """The SLL layers' t (a k x k Gram matrix of W each) is kept like the caps: computed on the
+    first eval-mode pass without gradients, again after a weight changes, never in training."""
+    from lofast.models import layers
+
+    model, x, calls = _counting_rescalings(monkeypatch)
     sll = [s for s in model.stages if isinstance(s, layers.SLL)]
     with torch.no_grad():
         first = model(x)
@@ -585,14 +594,7 @@ def test_a_change_through_data_is_taken_after_eval(monkeypatch):
     1-Lipschitz), so ``eval()`` compares the tensors with the copies the kept values were made
     from: after a change the outputs are again those of a fresh model with the new weights,
     and without one ``eval()`` computes nothing again."""
-    from lofast.models import layers
-
-    model = create_model(preset("tiny", num_classes=4), seed=0).eval()
-    x = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    calls = []
-    original = layers.SLL._rescaling_now
-    monkeypatch.setattr(layers.SLL, "_rescaling_now",
-                        lambda self: calls.append(self) or original(self))
+    model, x, calls = _counting_rescalings(monkeypatch)
     with torch.no_grad():
         before = model(x)
         count = len(calls)
