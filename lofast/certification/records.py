@@ -299,10 +299,6 @@ def record_from_json(values: Any) -> SampleRecord:
     return record
 
 
-
-
-
-
 def _is_eps_key(key: str) -> bool:
     """Whether key is eps_key(e) of a positive finite radius e."""
     try:
