@@ -429,6 +429,27 @@ def test_damaged_mat_file(tmp_path, svhn_arrays, damage):
     assert str(path) in _message(excinfo)
 
 
+def test_a_compressed_mat_element_is_inflated_within_the_limit_and_whole(tmp_path, svhn_arrays,
+                                                                        monkeypatch):
+    # zeros deflate about 1000:1: an element is inflated only up to MAX_MEMBER_BYTES (the
+    # limit lowered here below the test arrays' 21 kB), and a stream cut short stays refused
+    X, y, _, _ = svhn_arrays
+    path = _savemat(tmp_path / "test_32x32.mat", True, X=X, y=y)
+    monkeypatch.setattr("lofast.data._util.MAX_MEMBER_BYTES", 4096)
+    with pytest.raises(DataError, match="inflating to more than 4,096 bytes") as excinfo:
+        load_dataset(path, "test")
+    assert str(path) in _message(excinfo)
+    monkeypatch.undo()
+    assert len(load_dataset(path, "test")) == 7
+    data = bytearray(path.read_bytes())
+    mtype, size = struct.unpack_from("<II", data, 128)  # the first element's tag
+    assert mtype == 15  # miCOMPRESSED
+    struct.pack_into("<II", data, 128, 15, size // 2)  # the stream's first half alone
+    path.write_bytes(bytes(data[: 136 + size // 2]))
+    with pytest.raises(DataError, match="incomplete or truncated stream"):
+        load_dataset(path, "test")
+
+
 def test_svhn_split_must_match(tmp_path, svhn_arrays):
     X, y, _, _ = svhn_arrays
     path = _savemat(tmp_path / "train_32x32.mat", X=X, y=y)
@@ -544,6 +565,22 @@ def test_archive_cut_anywhere_is_refused(folder, tmp_path, suffix):
         path.write_bytes(data[:cut])
         with pytest.raises(DataError, match="corrupt or truncated archive"):
             load_dataset(path, "test")
+
+
+@pytest.mark.parametrize("kind", ["cifar", "folder"])
+def test_an_archive_member_declaring_more_than_the_limit_is_refused_unread(tmp_path, kind):
+    # a tar.gz of a few kB whose member header declares 5 GiB (a gzip bomb would inflate to
+    # it): refused by its size before a byte of it is read, naming the member; read as it
+    # was, it ended as a truncated archive once 5 GiB had been asked for
+    name = "cifar-10-batches-py/test_batch" if kind == "cifar" else "imgs/test/cat/a.png"
+    member = tarfile.TarInfo(name)
+    member.size = 5 << 30
+    path = tmp_path / ("cifar-10-python.tar.gz" if kind == "cifar" else "bomb.tar.gz")
+    path.write_bytes(gzip.compress(member.tobuf(tarfile.USTAR_FORMAT) + bytes(4096)))
+    with pytest.raises(DataError, match=r"a member of 5,368,709,120 bytes; lofast reads at "
+                                        r"most 4,294,967,296") as excinfo:
+        load_dataset(path, "test")
+    assert f"{path}:{name}" in _message(excinfo)
 
 
 def test_truncated_cifar_archive(cifar, tmp_path):

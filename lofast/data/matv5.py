@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lofast.data import _util
 from lofast.data._util import reason
 from lofast.errors import DataError
 
@@ -108,6 +109,23 @@ def _read_matrix(buf: memoryview, endian: str, location: str, wanted: set[str]
     return name, values.astype(_MX_DTYPES[mx_class]).reshape(shape, order="F")
 
 
+def _inflate(data: memoryview, location: str) -> bytes:
+    """The zlib stream ``data`` inflated, at most ``_util.MAX_MEMBER_BYTES`` of it (DataError
+    beyond, before more is produced, and for a corrupt or truncated stream)."""
+    inflater = zlib.decompressobj()
+    try:
+        inner = inflater.decompress(data, _util.MAX_MEMBER_BYTES + 1)
+    except zlib.error as exc:
+        raise DataError(f"{location}: corrupt compressed MAT element ({reason(exc)})") from exc
+    if len(inner) > _util.MAX_MEMBER_BYTES:
+        raise DataError(f"{location}: a compressed MAT element inflating to more than "
+                        f"{_util.MAX_MEMBER_BYTES:,} bytes, the most lofast reads from one")
+    if not inflater.eof:
+        raise DataError(f"{location}: corrupt compressed MAT element (incomplete or truncated "
+                        "stream)")
+    return inner
+
+
 def read_mat_arrays(path: Path, names: set[str]) -> dict[str, np.ndarray]:
     """The numeric variables of MAT-file `path` whose names are in `names`.
 
@@ -138,10 +156,7 @@ def read_mat_arrays(path: Path, names: set[str]) -> dict[str, np.ndarray]:
         mtype, data = top.next()
         if mtype == MI_COMPRESSED:
             # The deflated stream holds exactly one element, normally a miMATRIX.
-            try:
-                inner = memoryview(zlib.decompress(data))
-            except zlib.error as exc:
-                raise DataError(f"{path}: corrupt compressed MAT element ({reason(exc)})") from exc
+            inner = memoryview(_inflate(data, str(path)))
             mtype, data = _Elements(inner, endian, str(path)).next()
         if mtype == MI_MATRIX and len(data):  # a zero-length matrix is an empty placeholder
             name, array = _read_matrix(data, endian, str(path), names)
