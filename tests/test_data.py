@@ -508,6 +508,25 @@ def test_image_folder_as_cifar10(tmp_path):
         load_dataset(tmp_path / "big", "test", "cifar10")
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["folder", "tar"])
+def test_a_folder_of_large_images_is_refused_as_cifar10_at_its_first_header(tmp_path,
+                                                                           monkeypatch, packed):
+    # images of another size fail at the first file, from its header, with no pixel decoded
+    # (a folder of 224x224 images used to be decoded whole before the 32x32 check)
+    _write_folder(tmp_path / "big", {f"test/{c}": {str(i): np.zeros((48, 40, 3), np.uint8)
+                                                   for i in range(3)} for c in CIFAR_CLASSES})
+    path = _tar(tmp_path / "big", tmp_path / "big.tar") if packed else tmp_path / "big"
+    loads = []
+    original = Image.Image.load
+    monkeypatch.setattr(Image.Image, "load", lambda image: loads.append(1) or original(image))
+    with pytest.raises(DataError, match="image is 48x40, expected 32x32") as excinfo:
+        load_dataset(path, "test", "cifar10")
+    first = f"{path}:big/test/{CIFAR_CLASSES[0]}/0.png" if packed else str(
+        path / "test" / CIFAR_CLASSES[0] / "0.png")
+    assert first in _message(excinfo)
+    assert loads == []
+
+
 def test_image_folder_size_mismatch_names_file(tmp_path):
     _write_folder(tmp_path / "m", {"test/a": {"0": np.zeros((4, 4, 3), np.uint8)},
                                    "test/b": {"0": np.zeros((5, 4, 3), np.uint8)}})

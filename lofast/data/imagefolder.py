@@ -29,13 +29,17 @@ def is_image_name(name: str) -> bool:
     return not name.startswith(".") and name.lower().endswith(IMAGE_SUFFIXES)
 
 
-def decode_image(data: bytes, location: str) -> np.ndarray:
-    """Decode a JPEG or PNG into (H, W, 3) uint8 RGB; DataError naming `location` if corrupt.
+def decode_image(data: bytes, location: str, size: tuple[int, int] | None = None) -> np.ndarray:
+    """Decode a JPEG or PNG into (H, W, 3) uint8 RGB; DataError naming `location` if corrupt,
+    or, given `size` (H, W), if the header says another size (before any pixel is decoded).
 
     A 16-bit grey PNG (PIL's modes "I;16" and "I") is scaled to 8 bits: PIL's own conversion
     to RGB clips every value above 255, which turns almost the whole image white."""
     try:
         with Image.open(io.BytesIO(data), formats=_FORMATS) as image:
+            if size is not None and (image.height, image.width) != size:
+                raise DataError(f"{location}: image is {image.height}x{image.width}, expected "
+                                f"{size[0]}x{size[1]}")
             if image.mode.startswith("I"):
                 grey = np.asarray(image).astype(np.float64)
                 if grey.min() < 0 or grey.max() > 65535:
@@ -51,13 +55,22 @@ def decode_image(data: bytes, location: str) -> np.ndarray:
 
 
 class _Collector:
-    """Gathers decoded images of one split, checks they share one size, then sorts them."""
+    """Gathers decoded images of one split, checks they share one size (``size`` (H, W) if
+    given, else the first image's), then sorts them."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: tuple[int, int] | None = None) -> None:
         self.items: list[tuple[str, str, np.ndarray]] = []  # (class, file name, image)
         self.first: tuple[str, tuple[int, ...]] | None = None  # (location, shape) of the first
+        self.size = size
+
+    def decode(self, class_name: str, file_name: str, data: bytes, location: str) -> None:
+        """Decode one image file and add it; an image of the wrong size is refused from its
+        header: a folder of large images meant for another model fails at its first file."""
+        self.add(class_name, file_name, decode_image(data, location, self.size), location)
 
     def add(self, class_name: str, file_name: str, image: np.ndarray, location: str) -> None:
+        if self.size is None:
+            self.size = image.shape[:2]
         if self.first is None:
             self.first = (location, image.shape)
         elif image.shape != self.first[1]:
@@ -89,15 +102,16 @@ def find_folder_root(directory: Path) -> Path | None:
     return nested[0] if len(nested) == 1 else None
 
 
-def read_folder_dir(root: Path, split: str) -> ImageDataset:
-    """Read `split` of the image folder at `root` (which holds train/ and/or test/)."""
+def read_folder_dir(root: Path, split: str, size: tuple[int, int] | None = None) -> ImageDataset:
+    """Read `split` of the image folder at `root` (which holds train/ and/or test/), every
+    image of `size` (H, W) if given, else of the first one's."""
     split_dir = root / split
     if not split_dir.is_dir():
         raise DataError(f"{root}: no '{split}' folder")
     try:
         classes = {d.name for s in SPLITS if (root / s).is_dir()
                    for d in (root / s).iterdir() if d.is_dir() and not d.name.startswith(".")}
-        collector = _Collector()
+        collector = _Collector(size)
         for class_name in sorted(classes):
             class_dir = split_dir / class_name
             if not class_dir.is_dir():
@@ -105,8 +119,7 @@ def read_folder_dir(root: Path, split: str) -> ImageDataset:
             for name in sorted(os.listdir(class_dir)):
                 path = class_dir / name
                 if is_image_name(name) and path.is_file():
-                    collector.add(class_name, name, decode_image(path.read_bytes(), str(path)),
-                                  str(path))
+                    collector.decode(class_name, name, path.read_bytes(), str(path))
     except OSError as exc:
         raise DataError(f"{getattr(exc, 'filename', None) or split_dir}: "
                         f"cannot read ({reason(exc)})") from exc
@@ -127,12 +140,13 @@ def _split_member(name: str, is_dir: bool) -> tuple[str, str, str, str] | None:
     return None
 
 
-def read_folder_tar(archive: Path, split: str) -> ImageDataset:
+def read_folder_tar(archive: Path, split: str, size: tuple[int, int] | None = None
+                    ) -> ImageDataset:
     """Read `split` of an image folder straight from a tar or tar.gz: one pass, decoding only
-    the images of `split`."""
+    the images of `split` (of `size` (H, W) if given, else of the first one's)."""
     classes: set[str] = set()
     roots: set[str] = set()
-    collector = _Collector()
+    collector = _Collector(size)
     try:
         with open_tar_stream(archive) as tar:
             for member in tar:
@@ -147,9 +161,8 @@ def read_folder_tar(archive: Path, split: str) -> ImageDataset:
                 classes.add(class_name)
                 roots.add(root)
                 if is_image and member_split == split:
-                    location = f"{archive}:{member.name}"
-                    image = decode_image(tar.extractfile(member).read(), location)
-                    collector.add(class_name, file_name, image, location)
+                    collector.decode(class_name, file_name, tar.extractfile(member).read(),
+                                     f"{archive}:{member.name}")
     except ARCHIVE_ERRORS as exc:
         raise DataError(f"{archive}: corrupt or truncated archive ({reason(exc)})") from exc
     if len(roots) > 1:

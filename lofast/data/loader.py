@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -40,6 +41,7 @@ _READERS: dict[str, Callable[[Path, str], ImageDataset]] = {
 _FAMILY = {"cifar-dir": "cifar10", "cifar-tar": "cifar10", "svhn-mat": "svhn",
            "folder-dir": "folder", "folder-tar": "folder"}
 _SERVES = {"cifar10": {"cifar10", "folder"}, "svhn": {"svhn"}, "folder": {"folder"}}
+CIFAR10_IMAGE_SIZE = (32, 32)  # (H, W)
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,7 @@ def _check_cifar10(dataset: ImageDataset, where: Path) -> None:
     if len(dataset.classes) != 10:
         raise DataError(f"{where}: CIFAR-10 needs 10 classes, found {len(dataset.classes)} "
                         f"({', '.join(dataset.classes)})")
-    if dataset.images.shape[1:] != (32, 32, 3):
+    if dataset.images.shape[1:] != (*CIFAR10_IMAGE_SIZE, 3):
         h, w = dataset.images.shape[1:3]
         raise DataError(f"{where}: CIFAR-10 images are 32x32 RGB, found {h}x{w}")
 
@@ -195,6 +197,8 @@ def load_dataset(
         raise DataError(f"{path}: no data found (expected {expected})")
 
     reader = _READERS[source.kind]
+    if dataset == "cifar10" and _FAMILY[source.kind] == "folder":  # refused at a first 224x224
+        reader = functools.partial(reader, size=CIFAR10_IMAGE_SIZE)
     result = cached(lambda: reader(source.path, split), source.path, source.kind, split,
                     source.inputs(),
                     Path(cache_dir).expanduser() if cache_dir is not None else None)
