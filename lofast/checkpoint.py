@@ -109,8 +109,13 @@ def _decoded(path: Path, raw: dict[str, str]) -> dict[str, Any]:
     for key, value in raw.items():
         try:
             out[key] = json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # nested past the parser's depth too
             out[key] = value
+    classes = out.get("classes")  # what data labels are checked against: a list of names
+    if classes is not None and not (isinstance(classes, list)
+                                    and all(isinstance(name, str) for name in classes)):
+        raise CheckpointError(f"{path}: invalid classes in metadata (a list of class names, "
+                              f"not {type(classes).__name__})")
     return out
 
 

@@ -93,6 +93,35 @@ def test_lying_checkpoint_is_refused(case, saved, tmp_path):
     assert "Traceback" not in result.output
 
 
+DEEP = "[" * 100_000 + "]" * 100_000  # JSON nested past the parser's depth
+
+LYING_METADATA = {
+    "classes a number": {"classes": "7"},
+    "classes a string": {"classes": json.dumps("abcdefghij")},  # not ten classes a .. j
+    "classes numbers": {"classes": "[1, 2]"},
+    "classes nested past the parser's depth": {"classes": DEEP},
+    "model config nested past the parser's depth": {"model_config": DEEP},
+}
+
+
+@pytest.mark.parametrize("case", LYING_METADATA)
+def test_lying_metadata_is_refused_in_one_line(case, saved, tmp_path):
+    from safetensors import safe_open
+
+    with safe_open(str(saved), framework="pt") as f:
+        meta = {**f.metadata(), **LYING_METADATA[case]}
+    path = tmp_path / "lie.safetensors"
+    save_file(load_file(str(saved)), str(path), metadata=meta)
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(path)
+    assert "\n" not in str(error.value) and len(str(error.value)) < 300
+    for command in (["certify", "--checkpoint", str(path), "--eps", "0.1", "--n", "2"],
+                    ["info", str(path)]):
+        result = CliRunner().invoke(cli, command)
+        assert result.exit_code == 1 and "error:" in result.output, command
+        assert "Traceback" not in result.output and len(result.output) < 400, command
+
+
 # Valid values other than the ones the weights were trained with: the file then computes
 # another function, and its certificates must hold for that function.
 ACCEPTED = {

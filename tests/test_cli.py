@@ -88,7 +88,8 @@ def test_resume_reads_a_state_written_before_a_setting_existed(data_dir, tmp_pat
     assert refused.exit_code == 1 and "differ" in refused.output
     plain_head = runner.invoke(cli, args + ["--resume", "--model-option", "normalized_head=false"])
     assert plain_head.exit_code == 1 and "model_config" in plain_head.output
-    for garbled in ("{not json", '{"no_such_field": 1}', "[]"):  # one clear line each
+    for garbled in ("{not json", '{"no_such_field": 1}', "[]",  # one clear line each
+                    "[" * 100_000 + "]" * 100_000):  # nested past the JSON parser's depth
         torch.save({**state, "plan": {**state["plan"], "model_config": garbled}}, state_path)
         refused = runner.invoke(cli, args + ["--resume"])
         assert refused.exit_code == 1 and "model_config" in refused.output, refused.output

@@ -32,6 +32,7 @@ def assert_one_clear_error(result, *needles):
         result.output
     for needle in needles:
         assert needle in result.output, result.output
+    assert len(result.output) < 2000, result.output[:300]  # a line a person can read
 
 
 def snapshot(folder):
@@ -87,6 +88,9 @@ BAD_INPUTS = {
                                "{work}/m.safetensors"], "final_radius"),
     "train zero heads": (["train", "--dataset", "folder", "--data", "{data}", "--preset", "tiny",
                           "--model-option", "heads=0", "--out", "{work}/m.safetensors"], "heads"),
+    "train model option nested past the parser's depth": (
+        ["train", "--dataset", "folder", "--data", "{data}", "--preset", "tiny", "--model-option",
+         "width=" + "[" * 100_000 + "]" * 100_000, "--out", "{work}/m.safetensors"], "width"),
     "train string cap": (["train", "--dataset", "folder", "--data", "{data}", "--preset", "tiny",
                           "--model-option", "value_cap=big", "--out", "{work}/m.safetensors"],
                          "value_cap"),

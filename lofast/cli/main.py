@@ -25,6 +25,20 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated
 
 
+# An error line longer than this (a message that quotes a hostile value: a model option or a
+# path of 200,000 characters) keeps its start and end, and says how much it left out.
+ERROR_CHARS = 600
+
+
+def _error_line(message: str) -> str:
+    """The message as printed after "error:", at most about ERROR_CHARS characters."""
+    if len(message) <= ERROR_CHARS:
+        return message
+    head, tail = ERROR_CHARS * 2 // 3, ERROR_CHARS // 6
+    return (f"{message[:head]} ... ({len(message) - head - tail:,} characters left out) ... "
+            f"{message[-tail:]}")
+
+
 class LofastGroup(click.Group):
     """Maps every user-caused error, and running out of memory, to one line on stderr and exit
     code 1, and an interrupt to one line and exit code 130 (Ctrl-C) or 143 (SIGTERM), instead
@@ -36,11 +50,11 @@ class LofastGroup(click.Group):
         try:
             return super().invoke(ctx)
         except LofastError as e:
-            stderr.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
+            stderr.print(f"[bold red]error:[/] {escape(_error_line(str(e)))}", soft_wrap=True)
             sys.exit(1)
         except OSError as e:  # the machine's refusal (full disk, permissions), not a bug of ours
             where = f"{e.filename}: " if e.filename else ""
-            stderr.print(f"[bold red]error:[/] {escape(where + str(e.strerror or e))}",
+            stderr.print(f"[bold red]error:[/] {escape(_error_line(where + str(e.strerror or e)))}",
                          soft_wrap=True)
             sys.exit(1)
         except Exception as e:  # torch.OutOfMemoryError is a RuntimeError; any other: a bug

@@ -32,7 +32,7 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
             continue
         try:
             parsed[key.replace("-", "_")] = json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # nested past the parser's depth too
             parsed[key.replace("-", "_")] = value
     return parsed
 

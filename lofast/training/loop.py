@@ -172,7 +172,7 @@ def train(model: LipschitzViT, train_images: np.ndarray, train_labels: np.ndarra
         try:  # likewise a model field added since: its default is the model the state trained
             saved_plan["model_config"] = ModelConfig.from_dict(
                 json.loads(saved_plan["model_config"])).to_json()
-        except (KeyError, TypeError, ValueError, LofastError):
+        except (KeyError, TypeError, ValueError, RecursionError, LofastError):
             pass  # absent or unreadable: compared as written, so such a state is refused below
         changed = sorted(k for k in set(saved_plan) | set(plan or {})
                          if saved_plan.get(k) != (plan or {}).get(k))
