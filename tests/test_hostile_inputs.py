@@ -550,3 +550,17 @@ def test_a_benchmark_checks_its_out_file_before_it_measures(tmp_path):
     target = tmp_path / "new" / "deeper" / "figures.json"
     assert output_file(str(target)) == str(target)
     assert target.parent.is_dir() and not target.exists()
+
+
+def test_control_characters_in_a_folder_name_stay_in_one_escaped_error_line(tmp_path):
+    # class folders named with a terminal escape and a newline: the error that names them is
+    # one line, the escape written out (it would recolour the terminal), not sent
+    from PIL import Image
+
+    for name in ("a\x1b[31mred", "b\nnewline"):
+        for split in ("train", "test"):
+            (tmp_path / split / name).mkdir(parents=True)
+            Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(tmp_path / split / name / "0.png")
+    result = invoke("certify", "--data", str(tmp_path), "--eps", "0.1")
+    assert_one_clear_error(result, "10 classes", r"a\x1b[31mred", r"b\nnewline")
+    assert "\x1b" not in result.output and result.output.strip().count("\n") == 0

@@ -4,6 +4,7 @@ so that `lofast --help` stays fast."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -28,10 +29,14 @@ def _raise_terminated(signum: int, frame: object) -> None:
 # An error line longer than this (a message that quotes a hostile value: a model option or a
 # path of 200,000 characters) keeps its start and end, and says how much it left out.
 ERROR_CHARS = 600
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def _error_line(message: str) -> str:
-    """The message as printed after "error:", at most about ERROR_CHARS characters."""
+    """The message as printed after "error:": one line of at most about ERROR_CHARS
+    characters, control characters (a newline or a terminal escape in a file or folder name)
+    written as escapes."""
+    message = _CONTROL.sub(lambda match: ascii(match.group())[1:-1], message)
     if len(message) <= ERROR_CHARS:
         return message
     head, tail = ERROR_CHARS * 2 // 3, ERROR_CHARS // 6
