@@ -24,8 +24,20 @@ def torchrun_rank() -> tuple[int, int] | None:
         rank = int(os.environ.get("RANK", "0"))
     except ValueError:
         raise LofastError("RANK and WORLD_SIZE must be integers (as torchrun sets them)") from None
-    if world <= 1:
+    if world < 1:
+        raise LofastError(f"WORLD_SIZE {world}: a job has at least one process")
+    if world == 1:
         return None
+    # the rest of torchrun's environment, checked here: torch.distributed's own refusals are
+    # tracebacks, and a job of processes that each think they are rank 0 would write clashing
+    # files
+    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        names = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1
+                             else missing)
+        raise LofastError(f"WORLD_SIZE is {world} but {names} "
+                          f"{'is' if len(missing) == 1 else 'are'} not set: start the job with "
+                          "torchrun, or unset WORLD_SIZE for one process")
     if not 0 <= rank < world:
         raise LofastError(f"RANK {rank} is outside WORLD_SIZE {world}")
     return rank, world

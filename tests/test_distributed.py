@@ -115,6 +115,29 @@ def test_bad_shard_is_one_clear_error(setup, tmp_path, shard):
     assert result.exit_code == 2 and ("I/N" in result.output or "0 .. N-1" in result.output)
 
 
+@pytest.mark.parametrize(("environment", "named"), [
+    ({"WORLD_SIZE": "2"}, "RANK, MASTER_ADDR and MASTER_PORT are not set"),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR and MASTER_PORT are not set"),
+    ({"WORLD_SIZE": "0"}, "at least one process"),
+    ({"WORLD_SIZE": "2", "RANK": "5", "MASTER_ADDR": "localhost", "MASTER_PORT": "1"},
+     "outside WORLD_SIZE 2"),
+])
+def test_a_partial_torchrun_environment_is_one_clear_error(setup, tmp_path, monkeypatch,
+                                                           environment, named):
+    # WORLD_SIZE left set in a shell or a job script without the rest of torchrun's variables:
+    # one line before any work, not torch.distributed's traceback
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    for args in (certify_args(setup, tmp_path / "o.jsonl"),
+                 ["train", "--dataset", "folder", "--data", str(setup[0]), "--preset", "tiny",
+                  "--out", str(tmp_path / "m.safetensors")]):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 1 and named in result.output, result.output
+        assert "Traceback" not in result.output and not (tmp_path / "o.jsonl").exists()
+
+
 @pytest.mark.parametrize(("args", "code", "stream", "text"),
                          [(["--version"], 0, "stdout", "lofast, version"),
                           (["nosuch"], 2, "stderr", "No such command")])
