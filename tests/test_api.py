@@ -133,6 +133,7 @@ BAD_ARGUMENTS = [
     {"resume": True}, {"attack": "yes"}, {"attention_report": 1}, {"device": ""},
     {"settings": "exact"}, {"out": 3.5}, {"eps": torch.tensor(-0.05)},
     {"eps": torch.tensor(True)}, {"eps": numpy.float64(-1)}, {"eps": torch.tensor([0.05, 0.0])},
+    {"data": 123}, {"data": b"/tmp"}, {"progress": 5}, {"progress": object()},
 ]
 
 
@@ -348,6 +349,14 @@ def test_api_train_refuses_bad_settings_before_any_work(settings, monkeypatch, t
     monkeypatch.setattr(importlib.import_module("lofast.api"), "run_train", never)
     with pytest.raises(lofast.errors.ConfigError):
         lofast.train(tmp_path / "data", tmp_path / "m.safetensors", **settings)
+
+
+def test_api_train_refuses_a_progress_without_its_methods_first(tmp_path):
+    # before the data is read (there is none here): an AttributeError mid-run otherwise
+    for progress in (5, object()):
+        with pytest.raises(lofast.errors.ConfigError, match="TrainProgress"):
+            lofast.train(tmp_path / "no data", tmp_path / "m.safetensors", progress=progress)
+    assert not (tmp_path / "m.safetensors").exists()
 
 
 def test_api_trains_and_certifies_with_everything_the_command_has(data_dir, tmp_path):

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.certification.records import EpsResult, SampleRecord, eps_key
 from lofast.certification.report import Summary
-from lofast.config import FALLBACKS, AttackSettings, CertifyConfig
+from lofast.config import FALLBACKS, AttackSettings, CertifyConfig, check_progress
 from lofast.errors import CertificationError, ConfigError, LofastError
 
 if TYPE_CHECKING:
@@ -70,14 +70,20 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
     and returns the whole run, the others return None."""
     from lofast.certification.records import RecordWriter, merge_runs, write_records
     from lofast.certification.report import summarize
+    from lofast.data import ImageDataset
     from lofast.distributed import gather_on_first, process_group, torchrun_rank
     from lofast.files import check_writable
     from lofast.runtime import default_batch_size, resolve_device
 
+    if progress is not None:
+        check_progress(progress, RunProgress, ConfigError)
     progress = progress or RunProgress()
     if config.settings is not None and not isinstance(config.settings, CertifySettings):
         raise ConfigError(f"settings must be a CertifySettings, not "
                           f"{type(config.settings).__name__}")
+    if config.data is not None and not isinstance(config.data, (Path, ImageDataset)):
+        raise ConfigError(f"data must be a path, an ImageDataset or None, not "
+                          f"{type(config.data).__name__}")
     shard, out, merged_out = config.shard, config.out, None
     ranks = torchrun_rank()
     if ranks is not None:

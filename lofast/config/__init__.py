@@ -31,6 +31,7 @@ from lofast.config.base import (
     Weights,
     check_flags,
     check_int,
+    check_progress,
     plain_dict,
 )
 from lofast.config.certify import (
@@ -80,6 +81,7 @@ __all__ = [
     "Weights",
     "check_flags",
     "check_int",
+    "check_progress",
     "check_requirements",
     "parse_radii",
     "parse_radius",

@@ -160,3 +160,15 @@ def check_positive(name: str, value: Any, error: type[LofastError] = LofastError
     if not _is_real(value) or not math.isfinite(value) or value <= 0:
         raise error(f"{name} must be a positive finite number, not {value!r}")
     return plain_number(value)
+
+
+def check_progress(value: Any, protocol: type, error: type[LofastError] = LofastError) -> None:
+    """``value`` (a run's progress reporter) must have every public method of ``protocol``
+    (``RunProgress``, ``TrainProgress``: any object with them will do); ``error`` otherwise,
+    before the run starts, not an AttributeError in its middle."""
+    missing = [name for name, member in vars(protocol).items()
+               if callable(member) and not name.startswith("_")
+               and not callable(getattr(value, name, None))]
+    if missing:
+        raise error(f"progress must have the methods of {protocol.__name__} "
+                    f"({', '.join(missing)} missing), not {type(value).__name__}")

@@ -12,8 +12,8 @@ import copy
 from dataclasses import asdict
 from typing import Any
 
-from lofast.config import TrainConfig, TrainRun
-from lofast.errors import LofastError, TimeLimitReached, TrainingInterrupted
+from lofast.config import TrainConfig, TrainRun, check_progress
+from lofast.errors import ConfigError, LofastError, TimeLimitReached, TrainingInterrupted
 from lofast.training.loop import EpochStats, StepStats
 
 
@@ -55,6 +55,8 @@ def run_train(config: TrainConfig, run: TrainRun, progress: TrainProgress | None
     from lofast.runtime import resolve_device
     from lofast.training.loop import StopSignals, train
 
+    if progress is not None:
+        check_progress(progress, TrainProgress, ConfigError)
     progress = progress or TrainProgress()
     deadline = None if run.time_limit is None else time.monotonic() + run.time_limit
     out, init = run.out, run.init
