@@ -208,6 +208,10 @@ def test_certifier_refuses_images_and_labels_the_model_was_not_made_for(checkpoi
                            (x, y.bool()), (x.numpy(), y), (x[:0], y[:0])]:
         with pytest.raises(CertificationError):
             certifier.certify(images, labels)
+    # uint8 pixels, even a dark image whose values all lie in 0 .. 1 (it would be certified as
+    # a [0, 1] image other than the one meant)
+    with pytest.raises(CertificationError, match="divide by 255"):
+        certifier.certify((x < 0.5).to(torch.uint8), y)
     certificate = certifier.certify(x, y)
     with pytest.raises(CertificationError, match="radii"):
         certificate.certified(torch.tensor([0.05, -1.0], dtype=torch.float64))

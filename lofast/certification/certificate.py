@@ -318,6 +318,9 @@ class Certifier:
             got = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
             raise CertificationError(f"images must be a tensor (B, {', '.join(map(str, shape))}) "
                                      f"with B >= 1, not {got}")
+        if not images.dtype.is_floating_point:  # uint8 pixels 0 .. 255 are not in [0, 1]
+            raise CertificationError(f"images must be floating point, in [0, 1], not "
+                                     f"{images.dtype} (uint8 images: divide by 255)")
         if (not isinstance(labels, Tensor) or labels.dtype.is_floating_point
                 or labels.dtype.is_complex or labels.dtype == torch.bool
                 or tuple(labels.shape) != (images.shape[0],)):
