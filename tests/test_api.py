@@ -133,7 +133,7 @@ BAD_ARGUMENTS = [
     {"resume": True}, {"attack": "yes"}, {"attention_report": 1}, {"device": ""},
     {"settings": "exact"}, {"out": 3.5}, {"eps": torch.tensor(-0.05)},
     {"eps": torch.tensor(True)}, {"eps": numpy.float64(-1)}, {"eps": torch.tensor([0.05, 0.0])},
-    {"data": 123}, {"data": b"/tmp"}, {"progress": 5}, {"progress": object()},
+    {"data": 123}, {"data": b"/tmp"}, {"progress": 5}, {"progress": "bars"},
 ]
 
 
