@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load, safe_open, save_file
 
 from lofast import __version__
-from lofast.config import ModelConfig
+from lofast.config import ModelConfig, json_or_text
 from lofast.errors import CheckpointError, LofastError
 from lofast.files import atomic_write, check_readable
 from lofast.models.vit import LipschitzViT
@@ -107,10 +107,7 @@ def _decoded(path: Path, raw: dict[str, str]) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not a lofast checkpoint (no '{FORMAT}' metadata)")
     out: dict[str, Any] = {}
     for key, value in raw.items():
-        try:
-            out[key] = json.loads(value)
-        except (json.JSONDecodeError, RecursionError):  # nested past the parser's depth too
-            out[key] = value
+        out[key] = json_or_text(value)
     classes = out.get("classes")  # what data labels are checked against: a list of names
     if classes is not None and not (isinstance(classes, list)
                                     and all(isinstance(name, str) for name in classes)):

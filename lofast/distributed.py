@@ -33,8 +33,7 @@ def torchrun_rank() -> tuple[int, int] | None:
     # files
     missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
     if missing:
-        names = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1
-                             else missing)
+        names = missing[0] if len(missing) == 1 else f"{', '.join(missing[:-1])} and {missing[-1]}"
         raise LofastError(f"WORLD_SIZE is {world} but {names} "
                           f"{'is' if len(missing) == 1 else 'are'} not set: start the job with "
                           "torchrun, or unset WORLD_SIZE for one process")

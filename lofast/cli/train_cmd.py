@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -11,7 +10,16 @@ import click
 
 from lofast.cli.certify_cmd import POSITIVE_NUMBER
 from lofast.cli.console import stderr as console
-from lofast.config import DATASETS, MAX_BATCH_SIZE, MAX_SEED, Loss, Schedule, TrainConfig, TrainRun
+from lofast.config import (
+    DATASETS,
+    MAX_BATCH_SIZE,
+    MAX_SEED,
+    Loss,
+    Schedule,
+    TrainConfig,
+    TrainRun,
+    json_or_text,
+)
 from lofast.config.training import DEFAULT_PRESET
 
 # Exit code of a run stopped by --time-limit (EX_TEMPFAIL): not done, nothing wrong, resumable.
@@ -30,10 +38,7 @@ def parse_model_options(options: tuple[str, ...]) -> dict:
         if value.lower() == "none":
             parsed[key.replace("-", "_")] = None
             continue
-        try:
-            parsed[key.replace("-", "_")] = json.loads(value)
-        except (json.JSONDecodeError, RecursionError):  # nested past the parser's depth too
-            parsed[key.replace("-", "_")] = value
+        parsed[key.replace("-", "_")] = json_or_text(value)
     return parsed
 
 

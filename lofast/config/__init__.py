@@ -32,6 +32,7 @@ from lofast.config.base import (
     check_flags,
     check_int,
     check_progress,
+    json_or_text,
     plain_dict,
 )
 from lofast.config.certify import (
@@ -83,6 +84,7 @@ __all__ = [
     "check_int",
     "check_progress",
     "check_requirements",
+    "json_or_text",
     "parse_radii",
     "parse_radius",
     "parse_requirement",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
 import numbers
 from dataclasses import dataclass
@@ -172,3 +173,13 @@ def check_progress(value: Any, protocol: type, error: type[LofastError] = Lofast
     if missing:
         raise error(f"progress must have the methods of {protocol.__name__} "
                     f"({', '.join(missing)} missing), not {type(value).__name__}")
+
+
+def json_or_text(text: str) -> Any:
+    """``text`` as the JSON value it spells, else the text itself (a --model-option value, a
+    checkpoint's metadata string); JSON nested past the parser's depth stays text too, for the
+    field's own check to refuse."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return text

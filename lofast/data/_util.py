@@ -16,7 +16,6 @@ from lofast.errors import DataError
 ARCHIVE_ERRORS = (tarfile.TarError, EOFError, zlib.error, OSError)
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
-
 GZIP_MAGIC = b"\x1f\x8b"
 
 # The most bytes a reader takes from one archive member or one compressed MAT-file element (a

@@ -60,23 +60,15 @@ class _Collector:
 
     def __init__(self, size: tuple[int, int] | None = None) -> None:
         self.items: list[tuple[str, str, np.ndarray]] = []  # (class, file name, image)
-        self.first: tuple[str, tuple[int, ...]] | None = None  # (location, shape) of the first
         self.size = size
 
     def decode(self, class_name: str, file_name: str, data: bytes, location: str) -> None:
-        """Decode one image file and add it; an image of the wrong size is refused from its
-        header: a folder of large images meant for another model fails at its first file."""
-        self.add(class_name, file_name, decode_image(data, location, self.size), location)
-
-    def add(self, class_name: str, file_name: str, image: np.ndarray, location: str) -> None:
+        """Decode one image file and add it; an image of another size is refused from its
+        header (``decode_image``): a folder of large images meant for another model fails at
+        its first file."""
+        image = decode_image(data, location, self.size)
         if self.size is None:
             self.size = image.shape[:2]
-        if self.first is None:
-            self.first = (location, image.shape)
-        elif image.shape != self.first[1]:
-            h, w = image.shape[:2]
-            (first, (fh, fw, _)) = self.first
-            raise DataError(f"{location}: image is {h}x{w}, expected {fh}x{fw} like {first}")
         self.items.append((class_name, file_name, image))
 
     def dataset(self, classes: set[str], where: str) -> ImageDataset:
