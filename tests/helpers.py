@@ -69,9 +69,10 @@ def write_image_folder(root, per_class, seed):
 
 
 def record_lines(path):
-    """The decoded record lines of a `lofast certify --out` file, without its header line."""
+    """The decoded record lines of a `lofast certify --out` file, without its header line and
+    the marks of finished runs."""
     import json
     from pathlib import Path
 
     lines = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
-    return [line for line in lines if "schema" not in line]
+    return [line for line in lines if "schema" not in line and "finished" not in line]

@@ -10,7 +10,9 @@ from click.testing import CliRunner
 from helpers import record_lines, write_image_folder
 from PIL import Image
 
+from lofast.certification.pipeline import RunProgress
 from lofast.checkpoint import load_checkpoint, read_metadata
+from lofast.cli.certify_cmd import EXIT_UNMET
 from lofast.cli.main import cli
 
 
@@ -368,6 +370,80 @@ def test_certify_summary_jsonl_and_resume(checkpoint, data_dir, tmp_path):
     lines = record_lines(out)
     assert len(lines) == 16 and lines[:10] == records
     assert json.loads(result.stdout)["samples"] == 16
+
+
+class StopAfter(RunProgress):
+    """A run interrupted (Ctrl-C) once ``count`` samples have their records."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def samples(self, done: int, total: int, ms_per_sample: float | None) -> None:
+        if done >= self.count:
+            raise KeyboardInterrupt
+
+
+def test_report_requires_a_finished_run(checkpoint, data_dir, tmp_path):
+    """A record file whose run was interrupted is summarised as unfinished, and a requirement
+    on it fails however its figures look (a CI job that killed certify on a timeout and then
+    judged the file passed on the first few samples); resumed to the end it passes. A resumed
+    run that adds samples to a finished file is unfinished until it ends too."""
+    import lofast
+
+    out = tmp_path / "r.jsonl"
+    base = ["--checkpoint", str(checkpoint), "--data", str(data_dir), "--eps", "0.02",
+            "--device", "cpu", "--batch-size", "4", "--out", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        lofast.certify(checkpoint, data_dir, eps=0.02, n=12, device="cpu", batch_size=4,
+                       out=out, progress=StopAfter(4))
+    assert len(record_lines(out)) == 4
+    runner = CliRunner()
+    result = runner.invoke(cli, ["report", str(out), "--require", "0.02=0"])
+    assert result.exit_code == EXIT_UNMET
+    assert "the run did not finish" in result.output and "--resume" in result.output
+    shown = runner.invoke(cli, ["report", str(out), "--json"])
+    assert shown.exit_code == 0 and json.loads(shown.stdout)[str(out)]["finished"] is False
+    assert "did not finish" in shown.stderr
+    resumed = runner.invoke(cli, ["certify", *base, "--n", "12", "--resume", "--json"])
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads(out.read_text().splitlines()[-1]) == {"finished": {"samples": 12}}
+    result = runner.invoke(cli, ["report", str(out), "--require", "0.02=0"])
+    assert result.exit_code == 0, result.output
+    assert "did not finish" not in result.output
+    # more samples on a finished file: the first mark stays inside, the run is open again
+    with pytest.raises(KeyboardInterrupt):
+        lofast.certify(checkpoint, data_dir, eps=0.02, n=20, device="cpu", batch_size=4,
+                       out=out, resume=True, progress=StopAfter(16))
+    assert runner.invoke(cli, ["report", str(out), "--require", "0.02=0"]).exit_code == EXIT_UNMET
+    assert runner.invoke(cli, ["certify", *base, "--n", "20", "--resume"]).exit_code == 0
+    assert len(record_lines(out)) == 20
+    assert runner.invoke(cli, ["report", str(out), "--require", "0.02=0"]).exit_code == 0
+
+
+def test_record_files_without_the_finished_mark(checkpoint, data_dir, tmp_path):
+    """A file of schema 2 (an earlier lofast: no finished mark) is read and judged as before,
+    and resumed in its own schema without a mark; a mark that claims more samples than the
+    file holds is refused."""
+    out = tmp_path / "r.jsonl"
+    base = ["certify", "--checkpoint", str(checkpoint), "--data", str(data_dir), "--eps", "0.02",
+            "--device", "cpu", "--out", str(out)]
+    runner = CliRunner()
+    assert runner.invoke(cli, base + ["--n", "4"]).exit_code == 0
+    header, *records, mark = out.read_text().splitlines()
+    assert json.loads(mark) == {"finished": {"samples": 4}}
+    old = json.loads(header) | {"schema": 2}
+    out.write_text("\n".join([json.dumps(old), *records]) + "\n")
+    shown = runner.invoke(cli, ["report", str(out), "--json", "--require", "0.02=0"])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.stdout)[str(out)]["finished"] is None
+    assert runner.invoke(cli, base + ["--n", "6", "--resume"]).exit_code == 0
+    lines = out.read_text().splitlines()
+    assert len(lines) == 7 and json.loads(lines[0])["schema"] == 2
+    assert all("finished" not in json.loads(line) for line in lines)
+    claimed = tmp_path / "claimed.jsonl"
+    claimed.write_text("\n".join([header, *records, '{"finished": {"samples": 5}}']) + "\n")
+    result = runner.invoke(cli, ["report", str(claimed)])
+    assert result.exit_code == 1 and "finished run's mark without its records" in result.output
 
 
 @pytest.mark.parametrize("change, named", [

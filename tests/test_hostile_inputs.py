@@ -437,7 +437,7 @@ def test_interrupts_name_resume_only_where_a_command_has_it(monkeypatch, tmp_pat
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(lofast.certification.records, "read_run", interrupted)
+    monkeypatch.setattr(lofast.certification.records, "load_run", interrupted)
     result = invoke("report", path)
     assert result.exit_code == 130 and "interrupted" in result.output
     assert "--resume" not in result.output
@@ -520,8 +520,8 @@ def test_a_schema_1_file_resumes_as_schema_1(checkpoint, data_dir, tmp_path):
     assert len(lines) == 8 and all('"run": ' in line for line in lines)
     assert [r.index for r in read_run(out)[:4]] == [r.index for r in run.records]
     newer = tmp_path / "newer.jsonl"
-    newer.write_text('{"schema": 3, "eps": ["0.1"], "run": {}}\n')
-    assert_one_clear_error(invoke("report", newer), "schema 3")
+    newer.write_text('{"schema": 4, "eps": ["0.1"], "run": {}}\n')
+    assert_one_clear_error(invoke("report", newer), "schema 4")
 
 
 def test_a_benchmark_checks_its_out_file_before_it_measures(tmp_path):

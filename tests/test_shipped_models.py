@@ -141,11 +141,12 @@ def test_api_gives_the_cli_records(one_thread, tmp_path):
     assert run.summary.guarantee == summary["guarantee"]
 
 
-def test_records_survive_a_schema_1_to_2_round_trip(one_thread, tmp_path):
+def test_records_survive_a_schema_1_to_3_round_trip(one_thread, tmp_path):
     """A shipped model's records of 100 bundled images (the smallest model: each call proves
     its once-per-model bounds afresh; with an attack's and a fallback's fields on
     some), written as a schema-1 file (no header, run settings in every record), read, written
-    as schema 2 and read again: identical field by field; report reads both alike."""
+    as schema 3 and read again: identical field by field; report reads both alike (the new
+    file marked finished, the old one without the mark)."""
     from lofast.certification.records import SCHEMA, write_records
 
     run = lofast.certify("paper-d3-margin", eps=[0.02, 0.05], n=100, device="cpu")
@@ -158,13 +159,14 @@ def test_records_survive_a_schema_1_to_2_round_trip(one_thread, tmp_path):
     old = tmp_path / "schema1.jsonl"
     old.write_text("".join(r.to_json(schema=1) + "\n" for r in run.records))
     first = read_run(old)
-    new = tmp_path / "schema2.jsonl"
+    new = tmp_path / "schema3.jsonl"
     write_records(new, first)
-    assert json.loads(new.read_text().splitlines()[0])["schema"] == SCHEMA == 2
+    assert json.loads(new.read_text().splitlines()[0])["schema"] == SCHEMA == 3
     second = read_run(new)
     assert [asdict(r) for r in second] == [asdict(r) for r in first] == [asdict(r) for r in
                                                                           run.records]
     shown = [json.loads(CliRunner().invoke(cli, ["report", str(p), "--json"]).stdout)[str(p)]
              for p in (old, new)]
     shown[0].pop("total_seconds"), shown[1].pop("total_seconds")
+    assert (shown[0].pop("finished"), shown[1].pop("finished")) == (None, True)
     assert shown[0] == shown[1]

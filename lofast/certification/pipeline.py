@@ -142,6 +142,7 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
             writer.write(batch)
             records.extend(batch)
             progress.samples(len(records), len(order), 1e3 * per_sample)
+        writer.finish(len(order))  # every sample of this run (this shard) has its record
     finally:
         writer.close()
     if ranks is not None:

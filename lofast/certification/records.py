@@ -1,10 +1,14 @@
 """Per-sample records and their files (JSONL): the record, its schema, the writer that appends
 and resumes, the reader that checks every value, and the merge of a run's shards.
 
-Schema 2 (written now): a header line ``{"schema": 2, "eps": [keys], "run": {settings}}``,
+Schema 3 (written now): a header line ``{"schema": 3, "eps": [keys], "run": {settings}}``,
 then one record a line, each without the run settings and with its ``certified_radius`` (the
-largest radius any verifier certified). Schema 1 (earlier files, read and resumed as they are):
-no header, every record carrying its ``run``. Eps keys are ``eps_key`` texts, in files alone.
+largest radius any verifier certified), and a line ``{"finished": {"samples": N}}`` when a run
+over N samples has a record for every one of them. A resumed run appends its records after
+it, and its own such line once it finishes: the file's run is finished where its last line is
+one. Schema 2 is schema 3 without those lines; schema 1 no header either, every record
+carrying its ``run`` (earlier files, read and resumed as they are: neither says whether its run
+finished). Eps keys are ``eps_key`` texts, in files alone.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from typing import Any
 from lofast.errors import LofastError
 from lofast.files import atomic_write, check_readable, read_lines
 
-SCHEMA = 2  # the record schema this lofast writes
+SCHEMA = 3  # the record schema this lofast writes
+READ_SCHEMAS = (1, 2, 3)  # the schemas it reads and resumes (1 has no header line)
 
 
 def eps_key(eps: float) -> str:
@@ -104,8 +109,8 @@ class SampleRecord:
 
     def to_json(self, schema: int = SCHEMA) -> str:
         """The record's line: the per-eps results as dicts keyed by ``eps_key`` (only the
-        entries that exist: reasons where known, fallbacks where one ran, ...); in schema 2
-        without the run settings (the file's header holds them) and with
+        entries that exist: reasons where known, fallbacks where one ran, ...); in schemas 2
+        and 3 without the run settings (the file's header holds them) and with
         ``certified_radius``; in schema 1 (files written before the header) with its run
         settings."""
         per_eps = {name: {eps_key(e): getattr(r, field) for e, r in self.results.items()
@@ -135,11 +140,12 @@ PER_EPS_FIELDS = {"verdicts": "certified", "bounds": "bound", "verifiers": "veri
 ALWAYS_WRITTEN = ("verdicts", "bounds", "verifiers")
 
 
-# Every record line starts so (``to_json``'s field order), a header line with HEADER_START: a final
-# line without its newline that starts so is one torn by an interrupt; anything else is not a
-# record file of ours.
+# Every record line starts so (``to_json``'s field order), a header line with HEADER_START, a
+# finished line with FINISHED_START: a final line without its newline that starts so is one torn
+# by an interrupt; anything else is not a record file of ours.
 RECORD_START = b'{"index": '
 HEADER_START = b'{"schema": '
+FINISHED_START = b'{"finished": '
 
 # Field -> accepted JSON types, checked when records are read back (--resume, lofast report).
 RECORD_FIELDS: dict[str, tuple[type, ...]] = {
@@ -201,8 +207,8 @@ class RecordWriter:
         try:
             if resume:
                 handle.seek(0)
-                self.done, valid, self.schema = parse_records(read_lines(handle, path), path,
-                                                              eps, run)
+                self.done, valid, self.schema, _ = parse_records(read_lines(handle, path),
+                                                                 path, eps, run)
                 if valid < handle.seek(0, os.SEEK_END):
                     handle.truncate(valid)  # drop the torn last line, nothing else
             self.handle = handle
@@ -218,6 +224,12 @@ class RecordWriter:
         """Append records in the file's schema (a schema-1 file resumed stays schema 1)."""
         if self.handle is not None:
             self._append("".join(r.to_json(self.schema) + "\n" for r in records))
+
+    def finish(self, samples: int) -> None:
+        """Mark the run finished: every one of its ``samples`` samples has a record in the
+        file (a file of schema 1 or 2, resumed, has no such mark and gets none)."""
+        if self.handle is not None and self.schema >= 3:
+            self._append(finished_line(samples))
 
     def _append(self, text: str) -> None:
         try:
@@ -313,14 +325,33 @@ def _no_constants(name: str) -> float:
 
 
 def header_line(eps: Sequence[float] | Sequence[str], run: dict[str, Any]) -> str:
-    """A schema-2 file's first line: the schema, the eps keys in order and the run settings
-    that every record of the file was made with."""
+    """A file's first line: the schema, the eps keys in order and the run settings that every
+    record of the file was made with."""
     keys = [k if isinstance(k, str) else eps_key(k) for k in eps]
     return json.dumps({"schema": SCHEMA, "eps": keys, "run": run}, allow_nan=False) + "\n"
 
 
-def _header(line: bytes, path: Path) -> tuple[list[str], dict[str, Any]]:
-    """(eps keys, run settings) of a header line; LofastError for one that is not ours."""
+def finished_line(samples: int) -> str:
+    """The line that marks a run over ``samples`` samples finished (schema 3)."""
+    return json.dumps({"finished": {"samples": samples}}) + "\n"
+
+
+def _finished(line: bytes) -> int | None:
+    """The sample count of a finished line, or None where the line is not one."""
+    try:
+        values = json.loads(line.decode("utf-8"), parse_constant=_no_constants)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not (isinstance(values, dict) and set(values) == {"finished"}
+            and isinstance(values["finished"], dict) and set(values["finished"]) == {"samples"}):
+        return None
+    samples = values["finished"]["samples"]
+    return samples if type(samples) is int and samples >= 0 else None
+
+
+def _header(line: bytes, path: Path) -> tuple[list[str], dict[str, Any], int]:
+    """(eps keys, run settings, schema) of a header line; LofastError for one that is not
+    ours."""
     try:
         values = json.loads(line.decode("utf-8"), parse_constant=_no_constants)
         ok = (isinstance(values, dict) and set(values) == {"schema", "eps", "run"}
@@ -331,24 +362,26 @@ def _header(line: bytes, path: Path) -> tuple[list[str], dict[str, Any]]:
         ok = False
     if not ok:
         raise LofastError(f"{path}:1: not a lofast record file header")
-    if values["schema"] != SCHEMA:
-        raise LofastError(f"{path}: record schema {values['schema']!r}; this lofast reads "
-                          f"schemas 1 and {SCHEMA} (a newer lofast wrote it?)")
-    return values["eps"], values["run"]
+    schema = values["schema"]
+    if type(schema) is not int or schema not in READ_SCHEMAS[1:]:
+        raise LofastError(f"{path}: record schema {schema!r}; this lofast reads schemas "
+                          f"{', '.join(map(str, READ_SCHEMAS))} (a newer lofast wrote it?)")
+    return values["eps"], values["run"], schema
 
 
 def parse_records(lines: Iterable[bytes], path: Path, eps: Sequence[float] | None = None,
                   run: dict[str, Any] | None = None,
-                  ) -> tuple[dict[int, SampleRecord], int, int]:
+                  ) -> tuple[dict[int, SampleRecord], int, int, int | None]:
     """Records of a JSONL file's lines (``files.read_lines``) by index, the length of its valid
-    part (all but a torn final line) and its schema: 2 (a header line with the eps and the run
-    settings, then records without them) or 1 (records carrying their run settings). A file
+    part (all but a torn final line), its schema (3 or 2: a header line with the eps and the
+    run settings, then records without them; 1: records carrying their run settings) and, where
+    its last line marks a finished run (schema 3), that run's sample count, else None. A file
     that is not ours, or whose records were made for other eps values or other run settings
     than given (or, where none are given, than its header's or first record's), is refused with
     LofastError naming the file and line."""
     records: dict[int, SampleRecord] = {}
     keys = None if eps is None else {eps_key(e) for e in eps}
-    valid, schema, header_run = 0, 1, None
+    valid, schema, header_run, finished = 0, 1, None, None
     torn = b""
     for number, line in enumerate(lines, 1):
         if torn:  # a line without its break was not the last one
@@ -357,12 +390,20 @@ def parse_records(lines: Iterable[bytes], path: Path, eps: Sequence[float] | Non
             torn = line
             continue
         if number == 1 and line.startswith(HEADER_START):
-            header_keys, header_run = _header(line, path)
-            schema, valid = SCHEMA, len(line)
+            header_keys, header_run, schema = _header(line, path)
+            valid = len(line)
             keys = set(header_keys) if keys is None else keys
             run = header_run if run is None else run
             _check_same(path, set(header_keys), keys, header_run, run)
             continue
+        if schema >= 3 and line.startswith(FINISHED_START):
+            finished = _finished(line)
+            if finished is None or finished > len(records):
+                raise LofastError(f"{path}:{number}: not a lofast record file (a finished "
+                                  f"run's mark without its records)")
+            valid += len(line)
+            continue
+        finished = None  # a record after the mark: a resumed run, not yet finished
         try:
             values = json.loads(line.decode("utf-8"), parse_constant=_no_constants)
             if schema >= 2:  # the header's settings; the certified radius recomputed, checked
@@ -385,10 +426,10 @@ def parse_records(lines: Iterable[bytes], path: Path, eps: Sequence[float] | Non
         records[record.index] = record
         valid += len(line)
     if torn and not any(torn.startswith(s) or s.startswith(torn)
-                        for s in (RECORD_START, HEADER_START)):
+                        for s in (RECORD_START, HEADER_START, FINISHED_START)):
         raise LofastError(f"{path}: not a lofast record file (its last line is not a record); "
                           "--resume continues only a file that lofast certify wrote")
-    return records, valid, schema
+    return records, valid, schema, finished
 
 
 def _check_same(path: Path, keys: set[str], expected: set[str], run: dict[str, Any],
@@ -405,30 +446,46 @@ def _check_same(path: Path, keys: set[str], expected: set[str], run: dict[str, A
                           "the same settings or choose another --out")
 
 
-def read_run(path: Path, allow_empty: bool = False) -> list[SampleRecord]:
-    """The records of one `lofast certify --out` file, in file order (a torn last line left by
-    an interrupt is skipped); LofastError for a missing or foreign file, one that is not a
-    regular file (a FIFO, a device), or one without records unless ``allow_empty`` (a shard
-    that had no samples)."""
+@dataclass(frozen=True)
+class SavedRun:
+    """A record file's records, in file order, and whether its run finished: True where its
+    last line marks it so, False where the run stopped before (an interrupt, a crash, a
+    killed job), None for a file of schema 1 or 2, which does not say."""
+
+    records: list[SampleRecord]
+    finished: bool | None
+
+
+def load_run(path: Path, allow_empty: bool = False) -> SavedRun:
+    """One `lofast certify --out` file (a torn last line left by an interrupt is skipped);
+    LofastError for a missing or foreign file, one that is not a regular file (a FIFO, a
+    device), or one without records unless ``allow_empty`` (a shard that had no samples)."""
     path = Path(path)
     check_readable(path, "record file")
     try:
         with open(path, "rb") as handle:
-            records, _, _ = parse_records(read_lines(handle, path), path)
+            records, _, schema, finished = parse_records(read_lines(handle, path), path)
     except OSError as e:
         raise LofastError(f"cannot read {path}: {e.strerror or e}") from None
     if not records and not allow_empty:
         raise LofastError(f"{path}: holds no records")
-    return list(records.values())
+    return SavedRun(list(records.values()), finished is not None if schema >= 3 else None)
+
+
+def read_run(path: Path, allow_empty: bool = False) -> list[SampleRecord]:
+    """The records of one `lofast certify --out` file, in file order (``load_run``)."""
+    return load_run(path, allow_empty).records
 
 
 def write_records(path: Path, records: Sequence[SampleRecord]) -> None:
-    """Write records of one run as one schema-2 JSONL file (its header from the first record),
-    atomically (a temporary file renamed into place)."""
+    """Write the records of one whole run (all its samples) as one JSONL file of this schema
+    (its header from the first record, marked finished), atomically (a temporary file renamed
+    into place)."""
     if not records:
         raise LofastError(f"no records to write to {path}")
-    lines = header_line(records[0].eps, records[0].run) + "".join(
-        record.to_json() + "\n" for record in records)
+    lines = (header_line(records[0].eps, records[0].run)
+             + "".join(record.to_json() + "\n" for record in records)
+             + finished_line(len(records)))
     atomic_write(Path(path), lambda tmp: Path(tmp).write_text(lines, encoding="utf-8"))
 
 

@@ -46,16 +46,26 @@ class Summary:
     not_falsified: dict[float, float] = field(default_factory=dict)
     median_adversarial_radius: float | None = None
     median_radius_ratio: float | None = None
+    # Whether the run had certified all its samples: False for a saved run that stopped before
+    # (the summary covers the samples certified until then), None for a file of an earlier
+    # lofast, which does not say (``records.SavedRun``).
+    finished: bool | None = True
 
     def unmet(self, requirements: Sequence[Requirement | str]) -> list[str]:
         """One line for each requirement (a ``config.Requirement`` or its text, "36/255=42")
-        the summary falls short of; none where all are met. Counts of samples are compared
-        with the exact percentage; a summary of no samples meets none. ConfigError where a
+        the summary falls short of, and one first for a saved run that did not finish (its
+        figures are those of the samples certified before it stopped); none where all are met.
+        Counts of samples are compared with the exact percentage; a summary of no samples meets
+        none. ConfigError where a
         requirement names an eps the run was not certified at."""
         requirements = [r if isinstance(r, Requirement) else parse_requirement(r)
                         for r in requirements]
         check_requirements(requirements, list(self.certified_accuracy))
         lines = []
+        if requirements and self.finished is False:
+            lines.append(f"the run did not finish: its {self.samples} samples are those "
+                         "certified before it stopped; finish it with lofast certify --resume "
+                         "and the same options")
         for requirement in requirements:
             if requirement.eps is None:
                 what, share = "clean accuracy", self.clean_accuracy
@@ -79,7 +89,8 @@ class Summary:
 
 
 def summarize(records: Sequence[SampleRecord], eps: Sequence[float], total_seconds: float,
-              guarantee: str, bound: str, kappa: float, device: str) -> Summary:
+              guarantee: str, bound: str, kappa: float, device: str,
+              finished: bool | None = True) -> Summary:
     n = len(records)
     eps = [float(e) for e in eps]
     certified = {e: sum(r.results[e].certified for r in records) / n if n else math.nan
@@ -124,12 +135,15 @@ def summarize(records: Sequence[SampleRecord], eps: Sequence[float], total_secon
         not_falsified={key: 1.0 - share for key, share in falsified.items()},
         median_adversarial_radius=statistics.median(adversarial) if adversarial else None,
         median_radius_ratio=statistics.median(ratios) if ratios else None,
+        finished=finished,
     )
 
 
 def summary_rows(summary: Summary) -> dict[str, str]:
     """The summary as (quantity -> formatted value), in display order."""
-    rows = {"samples": str(summary.samples), "clean accuracy": f"{summary.clean_accuracy:.2%}"}
+    unfinished = "  (the run did not finish)" if summary.finished is False else ""
+    rows = {"samples": f"{summary.samples}{unfinished}",
+            "clean accuracy": f"{summary.clean_accuracy:.2%}"}
     for e, value in summary.certified_accuracy.items():
         by = summary.certified_by.get(e, {})
         detail = ", ".join(f"{v}: {c}" for v, c in sorted(by.items()))

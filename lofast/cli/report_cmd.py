@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import click
+from rich.markup import escape
 
 from lofast.cli.certify_cmd import REQUIRE_HELP, REQUIREMENT, exit_if_unmet
 from lofast.cli.console import stderr, stdout
@@ -24,27 +25,36 @@ from lofast.cli.console import stderr, stdout
               help=REQUIRE_HELP + " Every run (the merged run with --merge) must meet them.")
 def report(runs, plot_path, merge, as_json, requirements) -> None:
     """Summarise RUNS (files written by `lofast certify --out`), side by side."""
-    from lofast.certification.records import merge_runs, read_run
+    from lofast.certification.records import SavedRun, load_run, merge_runs
     from lofast.certification.report import summarize, summary_table
 
     if plot_path is not None:
         from lofast.certification.plot import check_plot_path
 
         check_plot_path(plot_path, runs)  # before any work
-    loaded = {str(path): read_run(path, allow_empty=merge) for path in runs}
+    loaded = {str(path): load_run(path, allow_empty=merge) for path in runs}
     if merge:
-        loaded = {" + ".join(Path(p).name for p in loaded): merge_runs(list(loaded.values()))}
+        parts = list(loaded.values())
+        records = merge_runs([part.records for part in parts])
+        # shards are complete by merge_runs' check of their counts; whole runs by their marks
+        sharded = any(r.run.get("shard") is not None for part in parts for r in part.records)
+        finished = True if sharded else _all_finished([part.finished for part in parts])
+        loaded = {" + ".join(Path(p).name for p in loaded): SavedRun(records, finished)}
     summaries = {}
-    for name, records in loaded.items():
+    for name, saved in loaded.items():
+        records = saved.records
         run = records[0].run
         eps = sorted(records[0].eps)
         summaries[name] = summarize(records, eps, sum(r.seconds for r in records),
                                     run.get("guarantee", "-"), run.get("bound", "-"),
-                                    run.get("kappa", float("nan")), "-")
+                                    run.get("kappa", float("nan")), "-", saved.finished)
+        if saved.finished is False:
+            stderr.print(f"{escape(Path(name).name)}: the run did not finish; its summary "
+                         f"covers the {len(records)} samples certified before it stopped")
     if plot_path is not None:
         from lofast.certification.plot import robustness_plot
 
-        robustness_plot({Path(name).stem: records for name, records in loaded.items()},
+        robustness_plot({Path(name).stem: saved.records for name, saved in loaded.items()},
                         plot_path)
     if as_json:
         click.echo(json.dumps({name: s.to_dict() for name, s in summaries.items()}, indent=2))
@@ -54,3 +64,10 @@ def report(runs, plot_path, merge, as_json, requirements) -> None:
         stderr.print(f"wrote {plot_path}")
     exit_if_unmet([f"{Path(name).name}: {line}" if len(summaries) > 1 else line
                    for name, summary in summaries.items() for line in summary.unmet(requirements)])
+
+
+def _all_finished(marks: list[bool | None]) -> bool | None:
+    """Whether every part finished: False where one did not, None where one does not say."""
+    if False in marks:
+        return False
+    return None if None in marks else True
