@@ -134,6 +134,14 @@ BAD_INPUTS = {
                             "0.1", "--jacobian-slack", "nan"], "jacobian_slack"),
     "Jacobian slack 2": (["certify", "--checkpoint", "{ckpt}", "--data", "{data}", "--eps",
                           "0.1", "--jacobian-slack", "2"], "jacobian_slack"),
+    # third round: click's own checks quoted a hostile value whole (up to the OS's limit)
+    "a batch size of 200,000 digits": (["certify", "--batch-size", "9" * 200_000 + "x"],
+                                       "characters left out"),
+    "an eps of 200,000 digits": (["certify", "--eps", "9" * 200_000 + "x"],
+                                 "characters left out"),
+    "a guarantee of 200,000 letters": (["certify", "--guarantee", "a" * 200_000],
+                                       "characters left out"),
+    "an option name with a terminal escape": (["certify", "--\x1b[31mred"], r"\x1b[31mred"),
 }
 
 # A valid record, and the values that hostile files put in its place.

@@ -46,7 +46,8 @@ def _error_line(message: str) -> str:
 
 class LofastGroup(click.Group):
     """Maps every user-caused error, and running out of memory, to one line on stderr and exit
-    code 1, and an interrupt to one line and exit code 130 (Ctrl-C) or 143 (SIGTERM), instead
+    code 1 (click's own option errors keep their usage line and exit code 2, their message cut
+    as ours are), and an interrupt to one line and exit code 130 (Ctrl-C) or 143 (SIGTERM), instead
     of a traceback."""
 
     def invoke(self, ctx: click.Context):
@@ -54,6 +55,11 @@ class LofastGroup(click.Group):
         previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main_thread else None
         try:
             return super().invoke(ctx)
+        except click.ClickException as e:  # click's own checks of options and arguments
+            message = e.format_message()
+            if _error_line(message) != message:  # a hostile value quoted whole: cut it
+                e.format_message = lambda: _error_line(message)
+            raise
         except LofastError as e:
             stderr.print(f"[bold red]error:[/] {escape(_error_line(str(e)))}", soft_wrap=True)
             sys.exit(1)
