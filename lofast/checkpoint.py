@@ -113,6 +113,10 @@ def _decoded(path: Path, raw: dict[str, str]) -> dict[str, Any]:
                                     and all(isinstance(name, str) for name in classes)):
         raise CheckpointError(f"{path}: invalid classes in metadata (a list of class names, "
                               f"not {type(classes).__name__})")
+    dataset = out.get("dataset")  # the name of the data it was trained on
+    if dataset is not None and not isinstance(dataset, str):
+        raise CheckpointError(f"{path}: invalid dataset in metadata (a name, not "
+                              f"{type(dataset).__name__})")
     return out
 
 

@@ -101,6 +101,7 @@ LYING_METADATA = {
     "classes numbers": {"classes": "[1, 2]"},
     "classes nested past the parser's depth": {"classes": DEEP},
     "model config nested past the parser's depth": {"model_config": DEEP},
+    "dataset a number": {"dataset": "7"},  # was refused as data of an unknown kind
 }
 
 

@@ -466,6 +466,26 @@ def test_certify_resume_refuses_other_settings(checkpoint, data_dir, tmp_path, c
     assert out.read_text() == before  # nothing lost or appended
 
 
+def test_certify_reads_data_by_its_path_for_a_model_trained_in_memory(data_dir, tmp_path):
+    """A checkpoint trained on an ImageDataset made in memory names that data ("synthetic"),
+    not a kind read from paths: certify takes the kind the path shows (it was refused as
+    "unknown dataset 'synthetic'", naming the data path); --dataset still overrides it."""
+    from lofast.checkpoint import save_checkpoint
+    from lofast.config import preset
+    from lofast.models.vit import create_model
+
+    path = tmp_path / "memory.safetensors"
+    save_checkpoint(path, create_model(preset("tiny", num_classes=4), seed=0),
+                    {"dataset": "synthetic", "classes": [f"class{c}" for c in range(4)]})
+    base = ["certify", "--checkpoint", str(path), "--data", str(data_dir), "--eps", "0.1",
+            "--n", "4", "--device", "cpu", "--json"]
+    result = CliRunner().invoke(cli, base)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["samples"] == 4
+    result = CliRunner().invoke(cli, [*base, "--dataset", "cifar10"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+
+
 def test_certify_resume_refuses_other_checkpoint(checkpoint, data_dir, tmp_path):
     out = tmp_path / "r.jsonl"
     other = tmp_path / "other.safetensors"

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.certification.records import EpsResult, SampleRecord, eps_key
 from lofast.certification.report import Summary
-from lofast.config import FALLBACKS, AttackSettings, CertifyConfig, check_progress
+from lofast.config import DATASETS, FALLBACKS, AttackSettings, CertifyConfig, check_progress
 from lofast.errors import CertificationError, ConfigError, LofastError
 
 if TYPE_CHECKING:
@@ -361,7 +361,11 @@ def load_samples(model: nn.Module, metadata: dict, data: object, dataset: str | 
     if data is None:
         data = load_bundled_sample()
     elif not isinstance(data, ImageDataset):
-        data = load_dataset(data, split, dataset or metadata.get("dataset"))
+        if dataset is None:  # the checkpoint's kind, unless its data was not one read from
+            # paths (an ImageDataset made in memory): then the kind the path shows
+            trained_on = metadata.get("dataset")
+            dataset = trained_on if trained_on in DATASETS else None
+        data = load_dataset(data, split, dataset)
     check_data_fits(model, metadata, data, classes_unchecked)
     return data, class_balanced_order(data.labels)[:limit]
 
