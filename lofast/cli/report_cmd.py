@@ -50,7 +50,8 @@ def report(runs, plot_path, merge, as_json, requirements) -> None:
                                     run.get("kappa", float("nan")), "-", saved.finished)
         if saved.finished is False:
             stderr.print(f"{escape(Path(name).name)}: the run did not finish; its summary "
-                         f"covers the {len(records)} samples certified before it stopped")
+                         f"covers the {len(records)} samples certified before it stopped",
+                         soft_wrap=True)
     if plot_path is not None:
         from lofast.certification.plot import robustness_plot
 
