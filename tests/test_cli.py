@@ -410,6 +410,9 @@ def test_report_requires_a_finished_run(checkpoint, data_dir, tmp_path):
     result = runner.invoke(cli, ["report", str(out), "--require", "0.02=0"])
     assert result.exit_code == 0, result.output
     assert "did not finish" not in result.output
+    finished = out.read_text()  # resumed again with nothing left to do: unchanged
+    assert runner.invoke(cli, ["certify", *base, "--n", "12", "--resume"]).exit_code == 0
+    assert out.read_text() == finished
     # more samples on a finished file: the first mark stays inside, the run is open again
     with pytest.raises(KeyboardInterrupt):
         lofast.certify(checkpoint, data_dir, eps=0.02, n=20, device="cpu", batch_size=4,

@@ -184,6 +184,7 @@ class RecordWriter:
                  run: dict[str, Any]) -> None:
         self.path = path
         self.done: dict[int, SampleRecord] = {}
+        self.finished: int | None = None  # the sample count of the file's last line's mark
         self.handle = None
         if path is None:
             return
@@ -207,8 +208,8 @@ class RecordWriter:
         try:
             if resume:
                 handle.seek(0)
-                self.done, valid, self.schema, _ = parse_records(read_lines(handle, path),
-                                                                 path, eps, run)
+                self.done, valid, self.schema, self.finished = parse_records(
+                    read_lines(handle, path), path, eps, run)
                 if valid < handle.seek(0, os.SEEK_END):
                     handle.truncate(valid)  # drop the torn last line, nothing else
             self.handle = handle
@@ -224,12 +225,15 @@ class RecordWriter:
         """Append records in the file's schema (a schema-1 file resumed stays schema 1)."""
         if self.handle is not None:
             self._append("".join(r.to_json(self.schema) + "\n" for r in records))
+            self.finished = None
 
     def finish(self, samples: int) -> None:
         """Mark the run finished: every one of its ``samples`` samples has a record in the
-        file (a file of schema 1 or 2, resumed, has no such mark and gets none)."""
-        if self.handle is not None and self.schema >= 3:
+        file (a file of schema 1 or 2, resumed, has no such mark and gets none; a resumed
+        run that found all its samples done adds no second mark of the same count)."""
+        if self.handle is not None and self.schema >= 3 and self.finished != samples:
             self._append(finished_line(samples))
+            self.finished = samples
 
     def _append(self, text: str) -> None:
         try:
