@@ -426,7 +426,7 @@ def test_report_requires_a_finished_run(checkpoint, data_dir, tmp_path):
 def test_record_files_without_the_finished_mark(checkpoint, data_dir, tmp_path):
     """A file of schema 2 (an earlier lofast: no finished mark) is read and judged as before,
     and resumed in its own schema without a mark; a mark that claims more samples than the
-    file holds is refused."""
+    file holds is refused; a torn mark is an unfinished run."""
     out = tmp_path / "r.jsonl"
     base = ["certify", "--checkpoint", str(checkpoint), "--data", str(data_dir), "--eps", "0.02",
             "--device", "cpu", "--out", str(out)]
@@ -447,6 +447,14 @@ def test_record_files_without_the_finished_mark(checkpoint, data_dir, tmp_path):
     claimed.write_text("\n".join([header, *records, '{"finished": {"samples": 5}}']) + "\n")
     result = runner.invoke(cli, ["report", str(claimed)])
     assert result.exit_code == 1 and "finished run's mark without its records" in result.output
+    # a mark torn by an interrupt while it was written: unfinished, and resumed to the end
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text("\n".join([header, *records]) + '\n{"finished": {"sam')
+    result = runner.invoke(cli, ["report", str(torn), "--require", "0.02=0"])
+    assert result.exit_code == EXIT_UNMET and "did not finish" in result.output
+    resumed = [*base[:-2], "--out", str(torn), "--n", "4", "--resume"]
+    assert runner.invoke(cli, resumed).exit_code == 0
+    assert torn.read_text().splitlines()[-1] == '{"finished": {"samples": 4}}'
 
 
 @pytest.mark.parametrize("change, named", [
