@@ -423,6 +423,25 @@ def test_report_requires_a_finished_run(checkpoint, data_dir, tmp_path):
     assert runner.invoke(cli, ["report", str(out), "--require", "0.02=0"]).exit_code == 0
 
 
+def test_a_merge_is_finished_where_its_parts_are(checkpoint, data_dir, tmp_path):
+    """Shards merge as finished (their counts are checked complete); whole runs merge as
+    finished only where each part is, unknown where one does not say."""
+    import lofast
+    from lofast.certification.records import SavedRun, merge_saved_runs
+
+    parts = [tmp_path / f"part{i}.jsonl" for i in range(2)]
+    for i, part in enumerate(parts):
+        lofast.certify(checkpoint, data_dir, eps=0.02, n=6, device="cpu", out=part,
+                       shard=f"{i}/2")
+    shown = CliRunner().invoke(cli, ["report", "--merge", *map(str, parts), "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert next(iter(json.loads(shown.stdout).values()))["finished"] is True
+    records = lofast.certify(checkpoint, data_dir, eps=0.02, n=4, device="cpu").records
+    for marks, merged in (((True, True), True), ((True, False), False), ((True, None), None)):
+        saved = [SavedRun(records[:2], marks[0]), SavedRun(records[2:], marks[1])]
+        assert merge_saved_runs(saved).finished is merged
+
+
 def test_record_files_without_the_finished_mark(checkpoint, data_dir, tmp_path):
     """A file of schema 2 (an earlier lofast: no finished mark) is read and judged as before,
     and resumed in its own schema without a mark; a mark that claims more samples than the

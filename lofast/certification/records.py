@@ -522,6 +522,21 @@ def merge_runs(runs: Sequence[Sequence[SampleRecord]]) -> list[SampleRecord]:
     return [merged[i] for i in sorted(merged)]
 
 
+def merge_saved_runs(parts: Sequence[SavedRun]) -> SavedRun:
+    """``merge_runs`` of saved parts, finished where the whole is: shards by ``merge_runs``'
+    check of their counts, whole runs where every one finished (False where one did not, None
+    where one does not say)."""
+    records = merge_runs([part.records for part in parts])
+    marks = [part.finished for part in parts]
+    if any(r.run.get("shard") is not None for part in parts for r in part.records):
+        finished = True
+    elif False in marks:
+        finished = False
+    else:
+        finished = None if None in marks else True
+    return SavedRun(records, finished)
+
+
 def _unsharded(run: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in run.items() if key != "shard"}
 

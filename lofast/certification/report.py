@@ -56,8 +56,7 @@ class Summary:
         the summary falls short of, and one first for a saved run that did not finish (its
         figures are those of the samples certified before it stopped); none where all are met.
         Counts of samples are compared with the exact percentage; a summary of no samples meets
-        none. ConfigError where a
-        requirement names an eps the run was not certified at."""
+        none. ConfigError where a requirement names an eps the run was not certified at."""
         requirements = [r if isinstance(r, Requirement) else parse_requirement(r)
                         for r in requirements]
         check_requirements(requirements, list(self.certified_accuracy))

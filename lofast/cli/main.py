@@ -47,8 +47,8 @@ def _error_line(message: str) -> str:
 class LofastGroup(click.Group):
     """Maps every user-caused error, and running out of memory, to one line on stderr and exit
     code 1 (click's own option errors keep their usage line and exit code 2, their message cut
-    as ours are), and an interrupt to one line and exit code 130 (Ctrl-C) or 143 (SIGTERM), instead
-    of a traceback."""
+    as ours are), and an interrupt to one line and exit code 130 (Ctrl-C) or 143 (SIGTERM),
+    instead of a traceback."""
 
     def invoke(self, ctx: click.Context):
         on_main_thread = threading.current_thread() is threading.main_thread()
@@ -57,7 +57,8 @@ class LofastGroup(click.Group):
             return super().invoke(ctx)
         except click.ClickException as e:  # click's own checks of options and arguments
             message = e.format_message()
-            if _error_line(message) != message:  # a hostile value quoted whole: cut it
+            if _error_line(message) != message:  # a hostile value quoted whole: cut it (click
+                # prints what format_message gives, after its usage line)
                 e.format_message = lambda: _error_line(message)
             raise
         except LofastError as e:

@@ -25,7 +25,7 @@ from lofast.cli.console import stderr, stdout
               help=REQUIRE_HELP + " Every run (the merged run with --merge) must meet them.")
 def report(runs, plot_path, merge, as_json, requirements) -> None:
     """Summarise RUNS (files written by `lofast certify --out`), side by side."""
-    from lofast.certification.records import SavedRun, load_run, merge_runs
+    from lofast.certification.records import load_run, merge_saved_runs
     from lofast.certification.report import summarize, summary_table
 
     if plot_path is not None:
@@ -34,12 +34,7 @@ def report(runs, plot_path, merge, as_json, requirements) -> None:
         check_plot_path(plot_path, runs)  # before any work
     loaded = {str(path): load_run(path, allow_empty=merge) for path in runs}
     if merge:
-        parts = list(loaded.values())
-        records = merge_runs([part.records for part in parts])
-        # shards are complete by merge_runs' check of their counts; whole runs by their marks
-        sharded = any(r.run.get("shard") is not None for part in parts for r in part.records)
-        finished = True if sharded else _all_finished([part.finished for part in parts])
-        loaded = {" + ".join(Path(p).name for p in loaded): SavedRun(records, finished)}
+        loaded = {" + ".join(Path(p).name for p in loaded): merge_saved_runs(list(loaded.values()))}
     summaries = {}
     for name, saved in loaded.items():
         records = saved.records
@@ -65,10 +60,3 @@ def report(runs, plot_path, merge, as_json, requirements) -> None:
         stderr.print(f"wrote {plot_path}")
     exit_if_unmet([f"{Path(name).name}: {line}" if len(summaries) > 1 else line
                    for name, summary in summaries.items() for line in summary.unmet(requirements)])
-
-
-def _all_finished(marks: list[bool | None]) -> bool | None:
-    """Whether every part finished: False where one did not, None where one does not say."""
-    if False in marks:
-        return False
-    return None if None in marks else True
