@@ -474,6 +474,11 @@ def test_record_files_without_the_finished_mark(checkpoint, data_dir, tmp_path):
     resumed = [*base[:-2], "--out", str(torn), "--n", "4", "--resume"]
     assert runner.invoke(cli, resumed).exit_code == 0
     assert torn.read_text().splitlines()[-1] == '{"finished": {"samples": 4}}'
+    # a record cut off after a finished mark (a resumed run stopped mid-write): unfinished
+    cut = torn.read_text() + records[0][:40]
+    torn.write_text(cut)
+    result = runner.invoke(cli, ["report", str(torn), "--require", "0.02=0"])
+    assert result.exit_code == EXIT_UNMET and "did not finish" in result.output
 
 
 @pytest.mark.parametrize("change, named", [

@@ -433,6 +433,8 @@ def parse_records(lines: Iterable[bytes], path: Path, eps: Sequence[float] | Non
                         for s in (RECORD_START, HEADER_START, FINISHED_START)):
         raise LofastError(f"{path}: not a lofast record file (its last line is not a record); "
                           "--resume continues only a file that lofast certify wrote")
+    if torn:  # a line cut off after the mark: a resumed run stopped while writing
+        finished = None
     return records, valid, schema, finished
 
 
