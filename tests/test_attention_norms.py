@@ -13,7 +13,7 @@ from test_bounds_near_reference import dense_norms, live_block, patterned_tokens
 
 from lofast.bounds import attention
 from lofast.bounds.attention import attention_sensitivity
-from lofast.bounds.attention_norms import STRATEGIES, NormBounds, merge
+from lofast.bounds.attention_norms import STRATEGIES, DeflatedReference, NormBounds, merge
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,8 +46,8 @@ TIGHT = {"MethodFirstOrder": "zeta", "MethodSoftmax": "softmax", "CoordinateFirs
 
 @functools.cache
 def traced(case: int):
-    """The block of CASES[case] as ``attention_sensitivity`` builds it, every strategy's
-    candidate in the driver's order, the driver's own final bounds and the dense references."""
+    """Every strategy's candidate in the driver's order, the driver's own final bounds, the
+    dense references, and the block of CASES[case] as ``attention_sensitivity`` builds it."""
     _, spec, tokens, method, first_order = CASES[case]
     w, X = spec(), tokens()
     captured = {}
@@ -81,12 +81,13 @@ def traced(case: int):
         merge(bounds, candidate)
         bounds.zeta_is_tight = bounds.zeta_is_tight or strategy.closed_form
     first, whole, softmax = dense_norms(X, w)
-    return candidates, bounds, final, {"zeta": first, "jacobian": whole, "softmax": softmax}
+    return (candidates, bounds, final, {"zeta": first, "jacobian": whole, "softmax": softmax},
+            block)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[c[0] for c in CASES])
 def test_the_traced_loop_is_the_driver(case):
-    _, bounds, final, _ = traced(case)
+    _, bounds, final, _, _ = traced(case)
     assert torch.equal(bounds.zeta, final.zeta)
     assert torch.equal(bounds.softmax, final.softmax_first_order)
     assert (bounds.jacobian is None) == (final.jacobian is None)
@@ -96,7 +97,7 @@ def test_the_traced_loop_is_the_driver(case):
 def test_every_strategy_bounds_the_dense_norms(strategy):
     ran = 0
     for case in range(len(CASES)):
-        candidates, _, _, reference = traced(case)
+        candidates, _, _, reference, _ = traced(case)
         for name, candidate in candidates:
             if name != strategy:
                 continue
@@ -111,3 +112,22 @@ def test_every_strategy_bounds_the_dense_norms(strategy):
                 if TIGHT.get(strategy) == quantity and CASES[case][3] is not LANCZOS:
                     assert (value <= exact * (1 + 2e-3)).all(), (CASES[case][0], value, exact)
     assert ran, f"{strategy} ran in none of the cases"
+
+
+@pytest.mark.parametrize("closed_form", [False, True])
+def test_the_first_deflation_leaves_to_the_larger_what_it_cannot_settle(closed_form):
+    # Its bound is at least c + delta (complement plus deviation). Where the larger deflation
+    # follows, a sample whose c + delta exceeds ||T_R|| goes straight to it; where zeta is in
+    # closed form (no larger deflation), only one above ||T_R|| by more than the slack is left
+    block = traced(1)[4]
+    slack = block.method.jacobian_slack
+    base = block.deflation().complement + block.head_deviation  # (B,) c + delta, D_X apart
+    ratios = torch.tensor([0.7, 1.0 + slack / 20, 1.0 + 2 * slack, 1.0 + 2 * slack],
+                          dtype=torch.float64)
+    softmax = block.reference_norm * ratios - base  # the bounds on ||D_X|| that put c + delta
+    assert len(base) == 4 and bool((softmax >= 0).all())  # at those multiples of ||T_R||
+    bounds = NormBounds(zeta=torch.ones(4, dtype=torch.float64), softmax=softmax,
+                        loose=torch.tensor([True, True, True, False]))
+    bounds.zeta_is_tight = closed_form
+    rows = DeflatedReference(large=False).rows(block, bounds)
+    assert rows.tolist() == [True, closed_form, False, False]
