@@ -94,8 +94,8 @@
 # at equal steps and lr 1.6e-2 x BATCH / 250 a CPU screen certified 1.2 / 1.6 points more),
 # LIMIT (certify only the first LIMIT test images; default all), PASS_SECONDS, TRAIN_ARGS, INIT,
 # EPOCHS, PART_MIB (default 15). With DEVICE=cpu and a small LIMIT and PASS_SECONDS it runs
-# anywhere, which is how it is tested. Needs python3 with torch and lofast's dependencies;
-# lofast itself is taken from this checkout.
+# anywhere, as tests/test_gpu_check.py runs it. Needs python3 with torch and lofast's
+# dependencies; lofast itself is taken from this checkout.
 set -uo pipefail
 if [ $# -lt 2 ]; then
     echo "usage: bash benchmarks/gpu_check.sh DATA OUT [STATE]" >&2

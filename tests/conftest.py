@@ -24,7 +24,7 @@ def pytest_configure(config):
 # no worker is left with a long file when the others are done, and the short ones last fill
 # the gaps evenly.
 FILES_LONGEST_FIRST = (
-    "test_distributed.py", "test_certify.py", "test_shipped_models.py",
+    "test_distributed.py", "test_certify.py", "test_shipped_models.py", "test_gpu_check.py",
     "test_bounds_attention.py", "test_cli.py", "test_bab.py", "test_api.py",
     "test_training_bound.py", "test_adversarial_checkpoints.py", "test_verdicts.py",
     "test_models.py", "test_attention_norms.py", "test_bounds_spectral.py",
@@ -33,13 +33,14 @@ FILES_LONGEST_FIRST = (
     "test_bounds_deflation.py", "test_crown.py", "test_checkpoint.py", "test_bounds_compose.py")
 
 # Two lanes (``pytest -m unit`` / ``-m integration``). The integration lane runs the product as
-# a user does: commands, the API's pipelines, torchrun, the shipped models, files from outside.
+# a user does: commands, the API's pipelines, torchrun, the shipped models, files from outside,
+# and the GPU slot script (benchmarks/gpu_check.sh) on a CPU.
 # Every other file is the unit lane: the maths against dense float64 references and autograd,
 # and the soundness references (PGD on certified samples of small trained models).
 INTEGRATION_FILES = (
     "test_api.py", "test_cli.py", "test_distributed.py", "test_shipped_models.py",
     "test_hostile_inputs.py", "test_verdicts.py", "test_adversarial_checkpoints.py",
-    "test_attention_report.py")
+    "test_attention_report.py", "test_gpu_check.py")
 
 
 def pytest_collection_modifyitems(items):
