@@ -1,6 +1,6 @@
 """(helper) How the benchmarks measure: wall-clock seconds with the device synchronised, and
 torch.profiler's table of the operators that took the most time of their own; where they write
-their figures (``output_file``)."""
+their figures (``output_file``) and the counts they take (``positive_int``)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,17 @@ def output_file(value: str) -> str:
     if os.path.isdir(value) or not os.access(folder, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write {value}")
     return value
+
+
+def positive_int(value: str) -> int:
+    """argparse type of a count that must be at least 1."""
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {value[:40]!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {count}")
+    return count
 
 
 def sync(device: torch.device) -> None:
