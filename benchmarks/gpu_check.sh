@@ -109,6 +109,19 @@ pass_seconds=${PASS_SECONDS:-520}
 epochs=${EPOCHS:-auto}
 recipe="--lr ${LR:-2e-3} --batch-size ${BATCH:-250} --temperature ${TEMPERATURE:-0.25} --loss certified --train-eps 0.15 \
 --power-iterations 1 --no-amp --no-augment --compile"
+# a slot lost to a typo is lost for good: what the pass reads is checked before any work
+if [ ! -e "$data" ]; then
+    echo "no data at $data (DATA: the CIFAR-10 archive or folder)" >&2
+    exit 2
+fi
+if [ -n "$state" ] && ! compgen -G "$state/train.safetensors.state.pt*" > /dev/null; then
+    echo "no training state in $state (STATE: an earlier pass's OUT)" >&2
+    exit 2
+fi
+if [ -n "${INIT:-}" ] && [ ! -f "$INIT" ]; then
+    echo "no checkpoint at $INIT (INIT)" >&2
+    exit 2
+fi
 if [ -n "${INIT:-}" ] && [ -n "$state" ]; then
     echo "INIT starts a new schedule and STATE resumes one: give one of them" >&2
     exit 2

@@ -7,6 +7,7 @@ recipe (whose compiled step needs CUDA: the script goes on without it)."""
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -39,9 +40,11 @@ def slot(data, out, *state, **env):
     its log (what it wrote to stderr where it wrote no log)."""
     settings = {"DEVICE": "cpu", "BENCH_BATCHES": "", "COMPILE": "", "LIMIT": "4",
                 "OMP_NUM_THREADS": "1", "LOFAST_CACHE_DIR": str(out.parent / "cache"), **env}
+    # the script calls python3: this interpreter's, whether or not its environment is active
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     result = subprocess.run(["bash", str(GPU_CHECK), str(data), str(out), *map(str, state)],
-                            env={**os.environ, **settings}, capture_output=True, text=True,
-                            timeout=400, check=False)
+                            env={**os.environ, **settings, "PATH": path}, capture_output=True,
+                            text=True, timeout=400, check=False)
     log = out / "log.txt"
     return result.returncode, log.read_text() if log.is_file() else result.stderr
 
@@ -83,3 +86,15 @@ def test_training_passes_chain_through_the_repository_state(cifar_folder, tmp_pa
     assert code == 0, log
     assert "training without --compile" in log, log
     assert certified_samples(stage / "certify_train.json") == 4, log
+
+
+def test_what_a_pass_reads_is_checked_before_any_work(cifar_folder, tmp_path):
+    out = tmp_path / "out"
+    for arguments, env, message in (
+            ((tmp_path / "no-such-data", out), {}, "no data at"),
+            ((cifar_folder, out, tmp_path), {}, "no training state in"),
+            ((cifar_folder, out), {"INIT": str(tmp_path / "missing.safetensors")},
+             "no checkpoint at")):
+        code, said = slot(*arguments, **env)
+        assert code == 2 and said.startswith(message), said
+        assert not out.exists()
