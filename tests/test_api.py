@@ -111,7 +111,9 @@ def test_a_batch_without_memory_is_certified_in_halves(one_thread, checkpoint, d
 
     got = lofast.certify(checkpoint, data_dir, eps=0.1, n=11, dataset="folder", batch_size=8,
                          progress=Notes())
-    assert asked == [8, 4, 4, 3]
+    # the per-model proofs' pass tries single samples (this untrained model gets them all
+    # wrong, so none needs a proof), then the batches
+    assert asked[-4:] == [8, 4, 4, 3] and set(asked[:-4]) == {1}, asked
     assert len(notes) == 1 and "at a batch of 8: certifying 4 at a time" in notes[0]
     assert [r.index for r in got.records] == [r.index for r in expected.records]
     assert [r.radius for r in got.records] == [r.radius for r in expected.records]
@@ -119,6 +121,60 @@ def test_a_batch_without_memory_is_certified_in_halves(one_thread, checkpoint, d
     _out_of_memory_above(0, monkeypatch)
     with pytest.raises(LofastError, match="out of memory on cpu certifying a single sample"):
         lofast.certify(checkpoint, data_dir, eps=0.1, n=3, dataset="folder", batch_size=2)
+
+
+def test_the_time_per_sample_leaves_out_the_per_model_proofs(one_thread, monkeypatch):
+    """A run makes its once-per-model proofs before the first batch and times them apart: each
+    record's seconds are the sample's own, and the summary gives the proofs' seconds."""
+    import functools
+    import time
+
+    from helpers import train_tiny
+
+    from lofast.bounds.attention_spec import AttentionSpec
+    from lofast.data import ImageDataset
+
+    model, x, y = train_tiny(position_bias=True)
+    pixels = (x * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    data = ImageDataset(images=numpy.ascontiguousarray(pixels),
+                        labels=y.numpy().astype(numpy.int64),
+                        classes=tuple(f"c{i}" for i in range(4)), name="folder")
+    original = AttentionSpec.__dict__["weight_norms"].func
+
+    def slow(spec):  # a per-model proof of a second, once per block and certifier
+        time.sleep(1.0)
+        return original(spec)
+
+    slowed = functools.cached_property(slow)
+    slowed.__set_name__(AttentionSpec, "weight_norms")
+    monkeypatch.setattr(AttentionSpec, "weight_norms", slowed)
+    run = lofast.certify(model, data, eps=0.1, n=6)
+    assert sum(r.radius > 0 for r in run.records) >= 3  # samples with bounds: proofs needed
+    assert run.summary.proof_seconds >= 1.0
+    # in the first batch, the six samples would share at least a second
+    assert max(r.seconds for r in run.records) < 0.15, [r.seconds for r in run.records]
+    assert run.summary.to_dict()["proof_seconds"] == run.summary.proof_seconds
+
+
+def test_the_proofs_pass_leaves_the_random_starts_of_the_batches(one_thread, monkeypatch):
+    """The records of a run whose proofs are made before the first batch are those of a run
+    without that pass, under the probabilistic guarantee too, whose per-sample Lanczos starts
+    come from the certifier's one stream."""
+    from lofast.certification import pipeline
+
+    settings = CertifySettings(guarantee="probabilistic")
+    probe = Certifier(lofast.load_model("lofast-live"), settings)
+    x, y = lofast.load_data().subset(list(range(8))).to_tensors()
+    before = probe.norms.generator.get_state().clone()
+    probe.certify(x, y)
+    assert not torch.equal(before, probe.norms.generator.get_state())  # the stream is used
+    with monkeypatch.context() as patched:  # the run as it was: proofs in the first batch
+        patched.setattr(pipeline, "make_proofs", lambda *arguments: 0.0)
+        expected = lofast.certify("lofast-live", eps=[0.02, 0.1], n=8, settings=settings)
+    run = lofast.certify("lofast-live", eps=[0.02, 0.1], n=8, settings=settings)
+    assert run.summary.proof_seconds > 0 and expected.summary.proof_seconds == 0.0
+    assert [(r.index, r.radius, r.results[0.02].bound) for r in run.records] == [
+        (r.index, r.radius, r.results[0.02].bound) for r in expected.records]
 
 
 # Arguments the API must refuse as the command line does, before any work (ConfigError, one of

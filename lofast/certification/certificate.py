@@ -307,6 +307,18 @@ class Certifier:
                                 guarantee=guarantee, failure_probability=failure,
                                 seconds=time.perf_counter() - started)
 
+    def make_proofs(self, images: Tensor, labels: Tensor) -> bool:
+        """Make the once-per-model proofs that these samples need by certifying them, the
+        certificate dropped, without advancing the stream of per-sample random starts: later
+        batches certify as if this had not run (the per-model draws have generators of their
+        own). Whether every sample got bounds (a misclassified one gets none, and needs no
+        proof). Arguments as for ``certify``."""
+        state = self.norms.generator.get_state()
+        try:
+            return bool(self.certify(images, labels).bounded.all())
+        finally:
+            self.norms.generator.set_state(state)
+
     def _check_inputs(self, images: Tensor, labels: Tensor) -> None:
         """Refuse images that are not a (B, C, H, W) batch of the model's shape, and labels
         that are not B integer classes of the model: a label outside them, or a wrong image

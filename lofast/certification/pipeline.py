@@ -129,6 +129,7 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
     started = time.perf_counter()
     failure = 0.0
     progress.samples(len(records), len(order), None)
+    proof_seconds = make_proofs(certifier, data, todo)
     try:
         for x, batch, batch_failure in certified_batches(certifier, data, todo, config.eps,
                                                          run, batch_size, progress.note):
@@ -155,7 +156,7 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
             write_records(merged_out, records)
     summary = summarize(records, config.eps, time.perf_counter() - started,
                         guarantee_text(settings, failure), settings.describe(),
-                        float(settings.kappa), str(device))
+                        float(settings.kappa), str(device), proof_seconds=proof_seconds)
     attention = None
     if config.attention_report:
         attention = measure_attention(model, data, records, config.eps, settings, device,
@@ -379,6 +380,39 @@ def run_settings(checkpoint_digest: str, data: object, split: str, settings: Cer
             "guarantee": settings.guarantee, "fallback": fallback,
             "fallback_timeout": fallback_timeout, "seed": settings.seed,
             "attack": attack.describe() if attack is not None else None}
+
+
+# make_proofs tries at most this many of the run's first samples for one that gets bounds
+PROOF_SAMPLES = 8
+
+
+def make_proofs(certifier: Certifier, data: object, indices: Sequence[int]) -> float:
+    """Seconds the certifier takes for its once-per-model proofs (the blocks' reference norms
+    and deflations, the weights' factors), made before the first batch so that each record's
+    seconds, and the time per sample, are the samples' own. The proofs are made where a
+    sample first needs them, so the first of ``indices`` (up to PROOF_SAMPLES of them: a
+    misclassified sample gets no bounds and needs none) is certified alone
+    (``Certifier.make_proofs``: its certificate dropped, the random starts of the batches as
+    they were), and certified again in its batch. A proof that only some samples need (a
+    block's larger deflation) still falls in the batch of the first. A sample the device has
+    no memory for stops the attempt: the batches then report it."""
+    from lofast.runtime import is_out_of_memory, release_cached_memory
+
+    started = time.perf_counter()
+    for index in list(indices)[:PROOF_SAMPLES]:
+        x, y = data.subset([int(index)]).to_tensors()
+        try:
+            bounded = certifier.make_proofs(x, y)
+        except Exception as error:  # torch.OutOfMemoryError is a RuntimeError
+            if not is_out_of_memory(error):
+                raise
+            bounded = None  # the error and its frames (holding the sample's tensors) go here
+        if bounded is None:
+            release_cached_memory(certifier.device)
+            break
+        if bounded:
+            break
+    return time.perf_counter() - started
 
 
 def certified_batches(certifier: Certifier, data: object, indices: Sequence[int],

@@ -50,6 +50,10 @@ class Summary:
     # (the summary covers the samples certified until then), None for a file of an earlier
     # lofast, which does not say (``records.SavedRun``).
     finished: bool | None = True
+    # Seconds of the certifier's once-per-model proofs, made before the first batch and kept
+    # out of the samples' times (``pipeline.make_proofs``); None for a saved run, whose records
+    # hold only the samples' times.
+    proof_seconds: float | None = None
 
     def unmet(self, requirements: Sequence[Requirement | str]) -> list[str]:
         """One line for each requirement (a ``config.Requirement`` or its text, "36/255=42")
@@ -89,7 +93,7 @@ class Summary:
 
 def summarize(records: Sequence[SampleRecord], eps: Sequence[float], total_seconds: float,
               guarantee: str, bound: str, kappa: float, device: str,
-              finished: bool | None = True) -> Summary:
+              finished: bool | None = True, proof_seconds: float | None = None) -> Summary:
     n = len(records)
     eps = [float(e) for e in eps]
     certified = {e: sum(r.results[e].certified for r in records) / n if n else math.nan
@@ -135,6 +139,7 @@ def summarize(records: Sequence[SampleRecord], eps: Sequence[float], total_secon
         median_adversarial_radius=statistics.median(adversarial) if adversarial else None,
         median_radius_ratio=statistics.median(ratios) if ratios else None,
         finished=finished,
+        proof_seconds=proof_seconds,
     )
 
 
@@ -162,6 +167,8 @@ def summary_rows(summary: Summary) -> dict[str, str]:
     for stage, seconds in summary.stage_seconds.items():
         if len(summary.stage_seconds) > 1:
             rows[f"  of which {stage}"] = f"{1e3 * seconds:.2f} ms"
+    if summary.proof_seconds is not None:
+        rows["per-model proofs"] = f"{summary.proof_seconds:.2f} s"
     rows["total time"] = f"{summary.total_seconds:.2f} s"
     rows["bound"] = f"{summary.bound} (kappa={summary.kappa:g})"
     rows["guarantee"] = summary.guarantee
