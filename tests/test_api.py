@@ -177,6 +177,37 @@ def test_the_proofs_pass_leaves_the_random_starts_of_the_batches(one_thread, mon
         (r.index, r.radius, r.results[0.02].bound) for r in expected.records]
 
 
+class _StopsAtOnce(RunProgress):
+    def samples(self, done, total, ms_per_sample):
+        raise CertificationError("stopped by the progress report")
+
+
+@pytest.mark.parametrize("stop", ["proofs", "progress"])
+def test_a_run_stopped_before_its_first_batch_lets_go_of_its_record_file(
+        one_thread, checkpoint, data_dir, tmp_path, monkeypatch, stop):
+    # an error while the per-model proofs are made, or raised by the caller's progress report:
+    # the record file is closed and unlocked even while the error is kept (as a notebook keeps
+    # the last traceback, and with it the run's frames), so the same process can resume it
+    out = tmp_path / "r.jsonl"
+
+    def stopped(self, images, labels):
+        raise CertificationError("stopped while making the proofs")
+
+    progress = None
+    if stop == "proofs":
+        monkeypatch.setattr(Certifier, "make_proofs", stopped)
+    else:
+        progress = _StopsAtOnce()
+    with pytest.raises(CertificationError, match="stopped") as kept:
+        lofast.certify(checkpoint, data_dir, eps=0.1, n=4, dataset="folder", out=out,
+                       progress=progress)
+    monkeypatch.undo()
+    run = lofast.certify(checkpoint, data_dir, eps=0.1, n=4, dataset="folder", out=out,
+                         resume=True)
+    assert run.summary.samples == 4 and run.summary.finished
+    assert kept.traceback  # held until here
+
+
 # Arguments the API must refuse as the command line does, before any work (ConfigError, one of
 # lofast.errors): each would otherwise certify the wrong question. A negative eps, in
 # particular, counted misclassified samples as certified.

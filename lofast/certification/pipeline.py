@@ -121,16 +121,18 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
     attacked = model.frozen(device) if attacking else None
     searched = model.frozen(device, torch.float32) if attacking else None
     writer = RecordWriter(out, config.resume, config.eps, run)
-    todo = [int(i) for i in order if int(i) not in writer.done]
-    # a file resumed with a smaller --n holds records outside this run's samples: not counted
-    records = [writer.done[int(i)] for i in order if int(i) in writer.done]
-    if records:
-        progress.note(f"resuming: {len(records)} samples already certified in {out}")
-    started = time.perf_counter()
-    failure = 0.0
-    progress.samples(len(records), len(order), None)
-    proof_seconds = make_proofs(certifier, data, todo)
+    # from here on the file is closed (and unlocked) whatever stops the run, even where the
+    # error and its frames are kept (a notebook's last traceback)
     try:
+        todo = [int(i) for i in order if int(i) not in writer.done]
+        # a file resumed with a smaller --n holds records outside this run's samples: not counted
+        records = [writer.done[int(i)] for i in order if int(i) in writer.done]
+        if records:
+            progress.note(f"resuming: {len(records)} samples already certified in {out}")
+        started = time.perf_counter()
+        failure = 0.0
+        progress.samples(len(records), len(order), None)
+        proof_seconds = make_proofs(certifier, data, todo)
         for x, batch, batch_failure in certified_batches(certifier, data, todo, config.eps,
                                                          run, batch_size, progress.note):
             failure = max(failure, batch_failure)
