@@ -398,23 +398,29 @@ def make_proofs(certifier: Certifier, data: object, indices: Sequence[int]) -> f
     they were), and certified again in its batch. A proof that only some samples need (a
     block's larger deflation) still falls in the batch of the first. A sample the device has
     no memory for stops the attempt: the batches then report it."""
-    from lofast.runtime import is_out_of_memory, release_cached_memory
-
     started = time.perf_counter()
     for index in list(indices)[:PROOF_SAMPLES]:
         x, y = data.subset([int(index)]).to_tensors()
-        try:
-            bounded = certifier.make_proofs(x, y)
-        except Exception as error:  # torch.OutOfMemoryError is a RuntimeError
-            if not is_out_of_memory(error):
-                raise
-            bounded = None  # the error and its frames (holding the sample's tensors) go here
-        if bounded is None:
-            release_cached_memory(certifier.device)
-            break
-        if bounded:
+        bounded = _unless_out_of_memory(certifier, certifier.make_proofs, x, y)
+        if bounded is None or bounded:
             break
     return time.perf_counter() - started
+
+
+def _unless_out_of_memory(certifier: Certifier, work: Callable[..., object],
+                          *arguments: object) -> object | None:
+    """work(*arguments), or None where the certifier's device had no memory for it (its cached
+    memory then released, the error and its frames, holding the work's tensors, dropped
+    here)."""
+    from lofast.runtime import is_out_of_memory, release_cached_memory
+
+    try:
+        return work(*arguments)
+    except Exception as error:  # torch.OutOfMemoryError is a RuntimeError
+        if not is_out_of_memory(error):
+            raise
+    release_cached_memory(certifier.device)
+    return None
 
 
 def certified_batches(certifier: Certifier, data: object, indices: Sequence[int],
@@ -428,20 +434,12 @@ def certified_batches(certifier: Certifier, data: object, indices: Sequence[int]
     A batch the device has no memory for is certified again in halves, and the rest of the
     run keeps the smaller size (told to ``note``): the records are those of a run with that
     batch size. A lone sample without memory raises LofastError."""
-    from lofast.runtime import is_out_of_memory, release_cached_memory
-
     start, size = 0, batch_size
     while start < len(indices):
         index = [int(i) for i in indices[start:start + size]]
         x, y = data.subset(index).to_tensors()
-        try:
-            records, failure = _batch_records(certifier, x, y, index, eps, run)
-        except Exception as error:  # torch.OutOfMemoryError is a RuntimeError
-            if not is_out_of_memory(error):
-                raise
-            records = None  # the error and its frames (holding the batch's tensors) go here
-        if records is None:
-            release_cached_memory(certifier.device)
+        made = _unless_out_of_memory(certifier, _batch_records, certifier, x, y, index, eps, run)
+        if made is None:
             if len(index) == 1:
                 raise LofastError(f"out of memory on {certifier.device} certifying a single "
                                   f"sample: the model's once-per-model proofs or one sample's "
@@ -451,6 +449,7 @@ def certified_batches(certifier: Certifier, data: object, indices: Sequence[int]
                 note(f"out of memory on {certifier.device} at a batch of {len(index)}: "
                      f"certifying {size} at a time (--batch-size {size})")
             continue
+        records, failure = made
         yield x, records, failure
         start += len(index)
 
