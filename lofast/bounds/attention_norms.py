@@ -297,10 +297,9 @@ class DeflatedReference(NormStrategy):
         # slack, it cannot come within the slack of a Ritz value near ||T_R||: those samples,
         # typical of a reference with a flat top, go straight to the larger deflation. Where
         # the larger deflation follows (zeta not in closed form), so do the samples whose
-        # c + delta exceeds ||T_R|| at all: t - c is then a sliver, the second-order term large,
-        # and such bounds stayed loose (the live default's third block: 20 of 20 samples at
-        # 1.017-1.020 times their Ritz value, then settled by the larger deflation; radii the
-        # same). Only speed depends on this test.
+        # c + delta exceeds ||T_R|| at all: t - c is then a sliver and the second-order term
+        # large, so such a bound stays loose where the larger deflation settles the sample.
+        # Only speed depends on this test.
         with_softmax = block.refine and not block.coordinate_jacobian
         deviation = block.head_deviation + (bounds.softmax if with_softmax else 0.0)
         slack = block.method.jacobian_slack if with_softmax else block.method.relative_slack
