@@ -527,3 +527,120 @@ def test_a_search_twin_that_lies_finds_nothing_the_model_does_not_do(trained):
                    minimum_norm_attack(exact, x, y[:8], steps=3, search=liar)):
         assert not result.found[correct].any()
         assert (result.adversarial_class[correct] == -1).all()
+
+
+@pytest.fixture(scope="module")
+def baseline_runs(trained, tmp_path_factory):
+    """Saved runs of the trained tiny model on 48 of its test images at eps 0.8 and 1.1 (its radii lie at 0.9-1.3): the
+    baseline (LoFAST's bound), a run with the naive bound (certifies less), and a run with the
+    naive bound on the first 40 of those images only."""
+    import lofast
+    from lofast.certification.certificate import CertifySettings
+    from lofast.data import ImageDataset
+
+    model, x, y = trained
+    pixels = (x[:48] * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    data = ImageDataset(images=np.ascontiguousarray(pixels), labels=y[:48].numpy(),
+                        classes=("a", "b", "c", "d"), name="folder")
+    folder = tmp_path_factory.mktemp("baseline")
+    paths = {name: folder / f"{name}.jsonl" for name in ("baseline", "naive", "fewer")}
+    for name, n, bound in (("baseline", 48, "lofast"), ("naive", 48, "naive"),
+                           ("fewer", 40, "naive")):
+        lofast.certify(model, data, eps=[0.8, 1.1], n=n, device="cpu",
+                       settings=CertifySettings(bound=bound), out=paths[name])
+    return paths
+
+
+def test_a_run_is_compared_with_its_baseline_sample_by_sample(baseline_runs):
+    """report --baseline: accuracy of each run on the samples both hold, the change in points
+    and the samples each eps lost and gained, by index, as the records say; --max-drop passes at
+    the drop itself and fails one sample below it (exit code 3, one line), on exact counts."""
+    from fractions import Fraction
+
+    base = {r["index"]: r for r in record_lines(baseline_runs["baseline"])}
+    runner = CliRunner()
+    for name in ("naive", "fewer"):
+        ours = {r["index"]: r for r in record_lines(baseline_runs[name])}
+        common = sorted(ours.keys() & base.keys())
+        result = runner.invoke(cli, ["report", str(baseline_runs[name]), "--json", "--baseline",
+                                     str(baseline_runs["baseline"])])
+        assert result.exit_code == 0, result.output
+        shown = json.loads(result.stdout)
+        assert list(shown["runs"]) == [str(baseline_runs[name])]
+        compared = shown["against_baseline"][str(baseline_runs[name])]
+        assert compared["samples"] == len(common) and compared["run_only"] == 0
+        assert compared["baseline_only"] == 48 - len(common)
+        for key in ("0.8", "1.1"):
+            lost = [i for i in common if base[i]["verdicts"][key] and not ours[i]["verdicts"][key]]
+            gained = [i for i in common if ours[i]["verdicts"][key] and not base[i]["verdicts"][key]]
+            assert compared["lost"][key] == lost and compared["gained"][key] == gained
+            counts = [sum(side[i]["verdicts"][key] for i in common) for side in (base, ours)]
+            assert compared["certified"][key] == counts
+            assert compared["change_points"][key] == pytest.approx(
+                100 * (counts[1] - counts[0]) / len(common))
+    naive = json.loads(runner.invoke(cli, ["report", str(baseline_runs["naive"]), "--json",
+                                           "--baseline", str(baseline_runs["baseline"])]
+                                     ).stdout)["against_baseline"][str(baseline_runs["naive"])]
+    lost = len(naive["lost"]["0.8"]) - len(naive["gained"]["0.8"])
+    assert lost > 0  # the naive bound certifies less: the comparison has something to show
+    drop = Fraction(100 * lost, 48)
+    command = ["report", str(baseline_runs["naive"]), "--baseline", str(baseline_runs["baseline"])]
+    table = runner.invoke(cli, command)
+    assert table.exit_code == 0 and "against the baseline baseline.jsonl" in table.output
+    assert "certified @ eps=0.8" in table.output and "samples lost / gained" in table.output
+    assert runner.invoke(cli, command + ["--max-drop", f"0.8={float(drop) + 1e-9}",
+                                         "--max-drop", "clean=0"]).exit_code == 0
+    short = float(Fraction(100 * (lost - 1), 48)) + 0.01  # one sample short of the drop
+    failed = runner.invoke(cli, command + ["--max-drop", f"0.8={short:.4f}"])
+    assert failed.exit_code == 3, failed.output
+    assert failed.stderr.strip().startswith(f"allowed drop 0.8={short:.4f} exceeded: certified "
+                                            f"accuracy fell by {float(drop):.2f} points")
+
+
+def test_allowed_drops_compare_counts_exactly():
+    """A third of three samples lost is 33.33... points: an allowance of 33.33 is exceeded and
+    one of 33.34 is not; gaining never exceeds an allowance; the clean accuracy has its own."""
+    from lofast.certification.report import Comparison
+    from lofast.errors import ConfigError
+
+    def compared(baseline, run, clean=(3, 3)):
+        return Comparison(samples=3, run_only=0, baseline_only=0, eps=[0.05], clean=clean,
+                          certified={0.05: (baseline, run)}, lost={0.05: []},
+                          gained={0.05: []}, median_radius=(0.0, 0.0))
+
+    assert compared(3, 2).exceeded(["0.05=33.34"]) == []
+    assert len(compared(3, 2).exceeded(["0.05=33.33"])) == 1
+    assert compared(1, 3).exceeded(["0.05=0"]) == []
+    assert len(compared(3, 3, clean=(3, 2)).exceeded(["clean=0", "0.05=0"])) == 1
+    with pytest.raises(ConfigError, match="both certify at eps 0.05, not 0.1"):
+        compared(3, 3).exceeded(["0.1=1"])
+    unfinished = Comparison(**{**compared(3, 3).__dict__, "finished": (True, False)})
+    assert unfinished.exceeded(["0.05=0"])[0].startswith("the run did not finish")
+    for bad, named in (("0.05", "not EPS=POINTS"), ("0.05=101", "0 .. 100"),
+                       ("0.05=-1", "0 .. 100"), ("clean=x", "not a number of points")):
+        with pytest.raises(ConfigError, match=named):
+            compared(3, 3).exceeded([bad])
+
+
+def test_a_baseline_of_other_samples_is_refused_in_one_line(baseline_runs, checkpoint,
+                                                            data_dir, tmp_path):
+    """Another data set (its indices name other images), no sample in common, an eps the two do
+    not share: one line and exit code 1; --max-drop without --baseline: a usage error."""
+    runner = CliRunner()
+    other = tmp_path / "other.jsonl"
+    certify(checkpoint, data_dir, other)
+    naive, base = str(baseline_runs["naive"]), str(baseline_runs["baseline"])
+    for command, named in (
+            ([str(other), "--baseline", base], "certified on other data"),
+            ([naive, "--baseline", base, "--max-drop", "0.5=1"], "both certify at eps 0.8, 1.1"),
+    ):
+        result = runner.invoke(cli, ["report", *command])
+        assert result.exit_code == 1 and named in result.output, result.output
+        assert "Traceback" not in result.output and len(result.output.splitlines()) == 1
+    parts = [tmp_path / f"part{i}.jsonl" for i in range(2)]
+    for i, part in enumerate(parts):
+        certify(checkpoint, data_dir, part, "--shard", f"{i}/2")
+    result = runner.invoke(cli, ["report", str(parts[0]), "--baseline", str(parts[1])])
+    assert result.exit_code == 1 and "no sample in common" in result.output
+    result = runner.invoke(cli, ["report", naive, "--max-drop", "0.8=1"])
+    assert result.exit_code == 2 and "--max-drop needs --baseline" in result.output

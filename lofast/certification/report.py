@@ -11,10 +11,12 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
+from rich.markup import escape
 from rich.table import Table
 
 from lofast.certification.records import SampleRecord, eps_key
-from lofast.config import Requirement, check_requirements, parse_requirement
+from lofast.config import Requirement, check_requirements, parse_allowed_drop, parse_requirement
+from lofast.errors import ConfigError, LofastError
 
 if TYPE_CHECKING:
     from lofast.certification.attention_report import AttentionReport
@@ -141,6 +143,152 @@ def summarize(records: Sequence[SampleRecord], eps: Sequence[float], total_secon
         finished=finished,
         proof_seconds=proof_seconds,
     )
+
+
+@dataclass
+class Comparison:
+    """A run against a baseline run of the same data, over the samples both hold (``compare``):
+    what a change of model or settings did to each sample's certificate.
+
+    samples: the samples compared; run_only / baseline_only: samples one run holds and the
+    other does not (left out); eps: the radii both runs certified at, ascending; clean: the
+    (baseline, run) counts of correctly classified samples; certified: per eps, the
+    (baseline, run) counts of certified samples (by any verifier); lost / gained: per eps, the
+    indices the baseline certified and the run does not, and the other way, ascending;
+    median_radius: (baseline, run) of the certified radii; finished: (baseline, run), as
+    ``Summary.finished``."""
+
+    samples: int
+    run_only: int
+    baseline_only: int
+    eps: list[float]
+    clean: tuple[int, int]
+    certified: dict[float, tuple[int, int]]
+    lost: dict[float, list[int]]
+    gained: dict[float, list[int]]
+    median_radius: tuple[float, float]
+    finished: tuple[bool | None, bool | None] = (True, True)
+
+    def change(self, eps: float | None) -> Fraction:
+        """The run's accuracy less the baseline's, in exact percentage points: certified at
+        eps, or clean where eps is None."""
+        baseline, run = self.clean if eps is None else self.certified[eps]
+        return Fraction(100 * (run - baseline), self.samples)
+
+    def exceeded(self, drops: Sequence[Requirement | str]) -> list[str]:
+        """One line for each allowed drop ("36/255=0.5", ``config.parse_allowed_drop``) the
+        run's accuracy fell by more than, against the baseline on the compared samples (exact
+        counts), and one first where the run did not finish; none where every drop is within
+        its allowance. ConfigError where a drop names an eps the two runs do not share."""
+        drops = [d if isinstance(d, Requirement) else parse_allowed_drop(d) for d in drops]
+        for drop in drops:
+            if drop.eps is not None and drop.eps not in self.eps:
+                shown = ", ".join(f"{e:g}" for e in self.eps)
+                raise ConfigError(f"allowed drop {drop.text}: the run and the baseline both "
+                                  f"certify at eps {shown}, not {drop.eps:g}")
+        lines = []
+        if drops and self.finished[1] is False:
+            lines.append("the run did not finish: it is compared on the samples certified "
+                         "before it stopped; finish it with lofast certify --resume and the same "
+                         "options")
+        for drop in drops:
+            if -self.change(drop.eps) > drop.percent:
+                what = "clean accuracy" if drop.eps is None else "certified accuracy"
+                baseline, run = self.clean if drop.eps is None else self.certified[drop.eps]
+                detail = ("" if drop.eps is None else
+                          f", {len(self.lost[drop.eps])} samples lost and "
+                          f"{len(self.gained[drop.eps])} gained")
+                lines.append(f"allowed drop {drop.text} exceeded: {what} fell by "
+                             f"{float(-self.change(drop.eps)):.2f} points against the baseline, "
+                             f"from {100 * baseline / self.samples:.2f} % to "
+                             f"{100 * run / self.samples:.2f} % ({self.samples} samples "
+                             f"compared{detail})")
+        return lines
+
+    def to_dict(self) -> dict:
+        """JSON-ready values: eps keys as ``eps_key`` texts, and each change in points."""
+        values = asdict(self)
+        values["eps"] = [eps_key(e) for e in self.eps]
+        for name in ("certified", "lost", "gained"):
+            values[name] = {eps_key(e): v for e, v in values[name].items()}
+        values["change_points"] = {"clean": float(self.change(None)),
+                                   **{eps_key(e): float(self.change(e)) for e in self.eps}}
+        return values
+
+
+def compare(run: Sequence[SampleRecord], baseline: Sequence[SampleRecord],
+            finished: tuple[bool | None, bool | None] = (True, True)) -> Comparison:
+    """``Comparison`` of a run's records against a baseline's, on the sample indices both hold.
+    LofastError where the two were certified on other data (their digests differ, or a sample
+    has another label: an index would name another image), where they share no sample, or
+    where they share no eps. finished: (baseline, run), as ``Summary.finished``."""
+    if not run or not baseline:
+        raise LofastError("a comparison needs records in both the run and the baseline")
+    data, baseline_data = run[0].run.get("data"), baseline[0].run.get("data")
+    if data != baseline_data:
+        raise LofastError(f"the baseline was certified on other data ({baseline_data}) than the "
+                          f"run ({data}): its sample indices name other images")
+    ours, theirs = {r.index: r for r in run}, {r.index: r for r in baseline}
+    common = sorted(ours.keys() & theirs.keys())
+    if not common:
+        raise LofastError("the run and the baseline hold no sample in common")
+    for index in common:
+        if ours[index].label != theirs[index].label:
+            raise LofastError(f"sample {index} has label {ours[index].label} in the run and "
+                              f"{theirs[index].label} in the baseline: other data")
+    eps = sorted(set(run[0].eps) & set(baseline[0].eps))
+    if not eps:
+        raise LofastError("the run and the baseline share no eps")
+    pairs = [(theirs[i], ours[i]) for i in common]
+    lost = {e: [b.index for b, r in pairs if b.results[e].certified and not r.results[e].certified]
+            for e in eps}
+    gained = {e: [b.index for b, r in pairs if r.results[e].certified and not b.results[e].certified]
+              for e in eps}
+    return Comparison(
+        samples=len(common), run_only=len(ours) - len(common),
+        baseline_only=len(theirs) - len(common), eps=eps,
+        clean=tuple(sum(x.prediction == x.label for x in side) for side in zip(*pairs)),
+        certified={e: tuple(sum(x.results[e].certified for x in side) for side in zip(*pairs))
+                   for e in eps},
+        lost=lost, gained=gained,
+        median_radius=tuple(statistics.median(x.certified_radius for x in side)
+                            for side in zip(*pairs)),
+        finished=finished)
+
+
+# comparison_table names at most this many lost samples an eps (the JSON holds them all)
+LOST_SHOWN = 8
+
+
+def comparison_table(comparison: Comparison, name: str, baseline: str) -> Table:
+    """The run against its baseline: accuracy and median radius of each on the compared
+    samples, the change in points, and per eps the samples lost and gained (the first
+    LOST_SHOWN lost by index)."""
+    table = Table(title=escape(f"{name} against the baseline {baseline}"), header_style="bold")
+    table.add_column("quantity")
+    for column in ("baseline", "run", "change"):
+        table.add_column(column, justify="right")
+    table.add_row("samples compared", "", "", str(comparison.samples))
+    for count, side in ((comparison.baseline_only, "baseline"), (comparison.run_only, "run")):
+        if count:
+            table.add_row(f"  left out: only in the {side}", "", "", str(count))
+
+    def shares(counts: tuple[int, int], eps: float | None) -> tuple[str, str, str]:
+        return (*(f"{count / comparison.samples:.2%}" for count in counts),
+                f"{float(comparison.change(eps)):+.2f} points")
+
+    table.add_row("clean accuracy", *shares(comparison.clean, None))
+    for e in comparison.eps:
+        table.add_row(f"certified @ eps={e:.6g}", *shares(comparison.certified[e], e))
+        lost, gained = comparison.lost[e], comparison.gained[e]
+        table.add_row("  samples lost / gained", "", "", f"{len(lost)} / {len(gained)}")
+        if lost:
+            more = f" +{len(lost) - LOST_SHOWN}" if len(lost) > LOST_SHOWN else ""
+            table.add_row("  lost", "", "", ", ".join(map(str, lost[:LOST_SHOWN])) + more)
+    table.add_row("median certified radius",
+                  *(f"{radius:.4f}" for radius in comparison.median_radius),
+                  f"{comparison.median_radius[1] - comparison.median_radius[0]:+.4f}")
+    return table
 
 
 def summary_rows(summary: Summary) -> dict[str, str]:
