@@ -1,5 +1,6 @@
 """Records -> a summary (certified accuracy per eps, radii, tightness, time) as a table or JSON,
-and the attention report's tables. The records and their files: ``lofast.certification.records``."""
+a run against a baseline run (``compare``), and the attention report's tables. The records
+and their files: ``lofast.certification.records``."""
 
 from __future__ import annotations
 
