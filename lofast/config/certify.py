@@ -95,7 +95,8 @@ class Requirement:
 def parse_requirement(value: Any) -> Requirement:
     """A ``Requirement`` from "EPS=PERCENT" (EPS a radius such as 0.05 or 36/255, or "clean";
     PERCENT in [0, 100], "%" optional), e.g. "36/255=42" or "clean=50%"."""
-    return _eps_and_share(value, "requirement", "EPS=PERCENT", "a percentage")
+    return _eps_and_share(value, "requirement", "EPS=PERCENT (e.g. 36/255=42 or clean=50)",
+                          "a percentage", "percentage")
 
 
 def parse_allowed_drop(value: Any) -> Requirement:
@@ -103,16 +104,18 @@ def parse_allowed_drop(value: Any) -> Requirement:
     certified accuracy at EPS (clean accuracy for "clean") may fall below a baseline run's on
     the same samples, in percentage points in [0, 100], e.g. "36/255=0.5"; ``percent`` holds
     the points."""
-    return _eps_and_share(value, "allowed drop", "EPS=POINTS", "a number of points")
+    return _eps_and_share(value, "allowed drop", "EPS=POINTS (e.g. 36/255=0.5 or clean=1)",
+                          "a number of points", "points")
 
 
-def _eps_and_share(value: Any, name: str, form: str, share: str) -> Requirement:
+def _eps_and_share(value: Any, name: str, form: str, share: str, unit: str) -> Requirement:
     """The eps ("clean": None) and the exact share in [0, 100] of "EPS=SHARE"; ConfigError
-    naming the text as ``name`` and its ``form`` otherwise."""
+    otherwise, naming the text as ``name`` with its ``form``, ``share`` ("a percentage") and
+    ``unit`` ("percentage")."""
     text = str(value).strip()
     where, sep, floor = text.partition("=")
     if not sep or not where.strip() or not floor.strip():
-        raise ConfigError(f"{name} {text!r} is not {form} (e.g. 36/255=42 or clean=50)")
+        raise ConfigError(f"{name} {text!r} is not {form}")
     where = where.strip()
     eps = None if where.lower() == "clean" else parse_radius(where, f"{name} {text!r}: eps")
     try:
@@ -120,7 +123,7 @@ def _eps_and_share(value: Any, name: str, form: str, share: str) -> Requirement:
     except InvalidOperation:
         raise ConfigError(f"{name} {text!r}: {floor.strip()!r} is not {share}") from None
     if not (number.is_finite() and 0 <= number <= 100):
-        raise ConfigError(f"{name} {text!r}: the {share.split()[-1]} must lie in 0 .. 100")
+        raise ConfigError(f"{name} {text!r}: the {unit} must lie in 0 .. 100")
     return Requirement(eps=eps, percent=Fraction(number), text=text)
 
 
