@@ -64,7 +64,7 @@ from lofast.config import GUARANTEES
 from lofast.crown import INSTALL_HINT, METHODS, crown_available, crown_verify
 from lofast.data import load_dataset
 from lofast.data.sample import class_balanced_order, load_bundled_sample
-from lofast.runtime import default_batch_size, resolve_device
+from lofast.runtime import default_batch_size, device_name, resolve_device
 
 # CIFAR-10, ViT depth 3 width 128, 1,000 test samples; certified accuracy in %.
 PAPER_SOURCE = "LoFAST paper, CIFAR-10, ViT depth 3 width 128, 1,000 test samples"
@@ -93,19 +93,6 @@ def parse_eps(values: list[str]) -> list[float]:
                 raise SystemExit(f"--eps: {part!r} is not a positive number")
             eps.add(number)
     return sorted(eps)
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def git_commit() -> str:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 
 import torch
 from measure import output_file, profile_table, timed  # beside this script
@@ -46,7 +45,7 @@ from lofast.bounds import first_order
 from lofast.certification.certificate import Certifier, CertifySettings
 from lofast.config import ModelConfig
 from lofast.models.vit import create_model
-from lofast.runtime import resolve_device
+from lofast.runtime import device_name, resolve_device
 
 # patch tokens -> (image size, patch size)
 SHAPES = {4: (32, 16), 16: (32, 8), 64: (32, 4), 256: (64, 4)}
@@ -162,10 +161,8 @@ def main() -> None:
     for g, e in exponents.items():
         if e is not None:
             print(f"{g}: ms a sample grows as tokens^{e:.2f}")
-    device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
-                   else platform.processor() or platform.machine())
     with open(args.out, "w") as f:
-        json.dump({"device": device_name, "threads": torch.get_num_threads(),
+        json.dump({"device": device_name(device), "threads": torch.get_num_threads(),
                    "models": args.models, "depth": args.depth, "small": args.small,
                    "large": args.large,
                    "position_bias": args.position_bias, "rows": rows,

@@ -1,6 +1,6 @@
-"""Where and how much a driver runs: the device a name means, the batch size a device takes by
-default (``certification.pipeline.run_certify``, ``training.pipeline.run_train`` and the
-benchmarks), and the wall-clock and memory limits of bound computations that may run long or
+"""Where and how much a driver runs: the device a name means and how summaries name it, the
+batch size a device takes by default (``certification.pipeline.run_certify``,
+``training.pipeline.run_train`` and the benchmarks), and the wall-clock and memory limits of bound computations that may run long or
 grow large (the CROWN fallback and branch and bound). The limits turn what would otherwise end
 or hang the process (the kernel's OOM killer, a bound that takes an hour) into exceptions that
 callers report as per-sample results."""
@@ -8,6 +8,7 @@ callers report as per-sample results."""
 from __future__ import annotations
 
 import contextlib
+import platform
 import signal
 import threading
 from collections.abc import Iterator
@@ -31,6 +32,31 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise LofastError(f"device {name!r} requested but no CUDA GPU is available")
     return device
+
+
+def device_name(device: torch.device) -> str:
+    """The processor behind a device: the GPU's name, or the CPU's model name."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown processor"
+
+
+def describe_device(device: torch.device) -> str:
+    """How summaries and record files name the device a run used: the device, its processor
+    and, for a CPU, the threads torch uses ("cpu (Intel(R) Xeon(R) ..., 2 threads)",
+    "cuda:0 (NVIDIA H100 80GB HBM3)")."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index} ({device_name(device)})"
+    threads = torch.get_num_threads()
+    return f"{device.type} ({device_name(device)}, {threads} thread{'s' * (threads != 1)})"
 
 
 # Above this many tokens a CPU batch takes CPU_LARGE_BATCH samples: there the per-sample tensors

@@ -69,10 +69,25 @@ def write_image_folder(root, per_class, seed):
 
 
 def record_lines(path):
-    """The decoded record lines of a `lofast certify --out` file, without its header line and
-    the marks of finished runs."""
+    """The decoded record lines of a `lofast certify --out` file, without its header line, its
+    sessions' lines and the marks of finished runs."""
     import json
     from pathlib import Path
 
     lines = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
-    return [line for line in lines if "schema" not in line and "finished" not in line]
+    return [line for line in lines if "index" in line]
+
+
+def assert_one_clear_error(result, *needles):
+    """A CLI result that failed with one readable error line naming every needle: a non-zero
+    exit, no traceback."""
+    assert result.exit_code != 0, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), \
+        repr(result.exception)
+    assert "Traceback" not in result.output
+    # ours print "error: ...", click's own option checks "Error: ..." after a usage line
+    assert sum("error:" in line.lower() for line in result.output.splitlines()) == 1, \
+        result.output
+    for needle in needles:
+        assert needle in result.output, result.output
+    assert len(result.output) < 2000, result.output[:300]  # a line a person can read

@@ -1,5 +1,6 @@
 """The `lofast` command through click's CliRunner: train, resume, info, certify, bad inputs."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -7,7 +8,7 @@ import signal
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers import record_lines, write_image_folder
+from helpers import assert_one_clear_error, record_lines, write_image_folder
 from PIL import Image
 
 from lofast.certification.pipeline import RunProgress
@@ -451,8 +452,8 @@ def test_record_files_without_the_finished_mark(checkpoint, data_dir, tmp_path):
             "--device", "cpu", "--out", str(out)]
     runner = CliRunner()
     assert runner.invoke(cli, base + ["--n", "4"]).exit_code == 0
-    header, *records, mark = out.read_text().splitlines()
-    assert json.loads(mark) == {"finished": {"samples": 4}}
+    header, session, *records, mark = out.read_text().splitlines()
+    assert json.loads(mark) == {"finished": {"samples": 4}} and "session" in json.loads(session)
     old = json.loads(header) | {"schema": 2}
     out.write_text("\n".join([json.dumps(old), *records]) + "\n")
     shown = runner.invoke(cli, ["report", str(out), "--json", "--require", "0.02=0"])
@@ -479,6 +480,87 @@ def test_record_files_without_the_finished_mark(checkpoint, data_dir, tmp_path):
     torn.write_text(cut)
     result = runner.invoke(cli, ["report", str(torn), "--require", "0.02=0"])
     assert result.exit_code == EXIT_UNMET and "did not finish" in result.output
+
+
+def test_a_saved_run_says_where_it_ran_and_what_its_proofs_took(checkpoint, data_dir, tmp_path):
+    """Each session of a run (the first, each resume that certifies samples) writes its device
+    and proof seconds; `lofast report` shows the device, the proofs summed over the sessions
+    and a total time that includes them; a file of schema 3 says neither (and is resumed
+    without session lines); a torn session line is an unfinished run, a broken one refused."""
+    out = tmp_path / "r.jsonl"
+    base = ["certify", "--checkpoint", str(checkpoint), "--data", str(data_dir), "--eps", "0.02",
+            "--device", "cpu", "--out", str(out), "--json"]
+    runner = CliRunner()
+    first = runner.invoke(cli, [*base, "--n", "4"])
+    second = runner.invoke(cli, [*base, "--n", "6", "--resume"])
+    assert first.exit_code == second.exit_code == 0, first.output + second.output
+    live = [json.loads(result.stdout) for result in (first, second)]
+    again = runner.invoke(cli, [*base, "--n", "6", "--resume"])  # nothing left: no session
+    assert again.exit_code == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    sessions = [line["session"] for line in lines if "session" in line]
+    assert [s["proof_seconds"] for s in sessions] == [run["proof_seconds"] for run in live]
+    assert {s["device"] for s in sessions} == {live[0]["device"]}
+    assert live[0]["device"].startswith("cpu (") and "thread" in live[0]["device"]
+    shown = runner.invoke(cli, ["report", str(out), "--json"])
+    assert shown.exit_code == 0, shown.output
+    summary = json.loads(shown.stdout)[str(out)]
+    proofs = sum(run["proof_seconds"] for run in live)
+    assert summary["device"] == live[0]["device"]
+    assert summary["proof_seconds"] == pytest.approx(proofs, rel=1e-12)
+    samples = sum(record["seconds"] for record in record_lines(out))
+    assert summary["total_seconds"] == pytest.approx(samples + proofs, rel=1e-12)
+    table = runner.invoke(cli, ["report", str(out)])
+    assert "per-model proofs" in table.output and "cpu (" in table.output
+    # schema 3: no sessions; summarised without them, resumed without adding any
+    old = tmp_path / "old.jsonl"
+    header = json.loads(out.read_text().splitlines()[0]) | {"schema": 3}
+    kept = [line for line in out.read_text().splitlines()[1:] if '"session"' not in line]
+    old.write_text("\n".join([json.dumps(header), *kept[:5]]) + "\n")  # 4 records, a mark, 1
+    summary = json.loads(runner.invoke(cli, ["report", str(old), "--json"]).stdout)[str(old)]
+    assert (summary["device"], summary["proof_seconds"]) == ("-", None)
+    assert summary["total_seconds"] == pytest.approx(
+        sum(record["seconds"] for record in record_lines(old)), rel=1e-12)
+    resumed = [*base[:-3], "--out", str(old), "--n", "6", "--resume"]
+    assert runner.invoke(cli, resumed).exit_code == 0
+    assert '"session"' not in old.read_text() and len(record_lines(old)) == 6
+    # a session line torn by an interrupt: the run did not finish; a session after the
+    # finished mark (a resume stopped before its first batch) reopens the run
+    text = out.read_text()
+    for tail in ('{"session": {"dev', json.dumps({"session": sessions[0]}) + "\n"):
+        out.write_text(text + tail)
+        result = runner.invoke(cli, ["report", str(out), "--require", "0.02=0"])
+        assert result.exit_code == EXIT_UNMET and "did not finish" in result.output
+    for broken in ({"device": "cpu", "proof_seconds": -1.0}, {"device": "", "proof_seconds": 1},
+                   {"device": "cpu"}, {"device": "cpu", "proof_seconds": 1, "more": 2},
+                   {"device": 3, "proof_seconds": 1}, {"device": "cpu", "proof_seconds": True}):
+        out.write_text(text + json.dumps({"session": broken}) + "\n")
+        assert_one_clear_error(runner.invoke(cli, ["report", str(out)]), "session line")
+    out.write_text(text + '{"session": {"device": "cpu", "proof_seconds": NaN}}\n')
+    assert_one_clear_error(runner.invoke(cli, ["report", str(out)]), "session line")
+    # in a file of schema 3 a session line is no line of ours
+    old.write_text(old.read_text() + json.dumps({"session": sessions[0]}) + "\n")
+    assert_one_clear_error(runner.invoke(cli, ["report", str(old)]), "not a lofast record")
+
+
+def test_merged_parts_keep_their_sessions(checkpoint, data_dir, tmp_path):
+    """`lofast report --merge` of shards: every part's device once, the proofs of all."""
+    import lofast
+    from lofast.certification.records import Session, load_run, merge_saved_runs
+
+    parts = [tmp_path / f"part{i}.jsonl" for i in range(2)]
+    runs = [lofast.certify(checkpoint, data_dir, eps=0.02, n=6, device="cpu", out=part,
+                           shard=f"{i}/2") for i, part in enumerate(parts)]
+    shown = CliRunner().invoke(cli, ["report", "--merge", *map(str, parts), "--json"])
+    assert shown.exit_code == 0, shown.output
+    summary = next(iter(json.loads(shown.stdout).values()))
+    assert summary["device"] == runs[0].summary.device
+    assert summary["proof_seconds"] == pytest.approx(
+        sum(run.summary.proof_seconds for run in runs), rel=1e-12)
+    saved = [load_run(part) for part in parts]
+    other = dataclasses.replace(saved[1], sessions=(Session("cuda:0 (GPU)", 2.0),))
+    merged = merge_saved_runs([saved[0], other])
+    assert merged.sessions == (*saved[0].sessions, Session("cuda:0 (GPU)", 2.0))
 
 
 @pytest.mark.parametrize("change, named", [

@@ -11,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from lofast.certification.records import read_run
+from lofast.certification.records import load_run, read_run
 from lofast.cli.main import cli
 
 COMPARED = ("samples", "clean_accuracy", "certified_accuracy", "median_radius", "falsified")
@@ -172,6 +172,10 @@ def test_torchrun_with_two_gloo_processes_equals_one_process(setup, single, tmp_
     assert_same_records(read_run(out), single[1])
     for rank in range(2):
         assert len(read_run(tmp_path / f"merged.jsonl.rank{rank}of2")) == 6
+    # the merged file keeps where each rank ran and its proofs' time
+    sessions = load_run(out).sessions
+    assert len(sessions) == 2 and all(s.device.startswith("cpu (") for s in sessions)
+    assert summary["proof_seconds"] in [s.proof_seconds for s in sessions]
 
 
 def torchrun(args, tmp_path, processes=2):

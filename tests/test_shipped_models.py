@@ -141,11 +141,11 @@ def test_api_gives_the_cli_records(one_thread, tmp_path):
     assert run.summary.guarantee == summary["guarantee"]
 
 
-def test_records_survive_a_schema_1_to_3_round_trip(one_thread, tmp_path):
+def test_records_survive_a_schema_1_to_4_round_trip(one_thread, tmp_path):
     """A shipped model's records of 100 bundled images (the smallest model: each call proves
     its once-per-model bounds afresh; with an attack's and a fallback's fields on
     some), written as a schema-1 file (no header, run settings in every record), read, written
-    as schema 3 and read again: identical field by field; report reads both alike (the new
+    as schema 4 and read again: identical field by field; report reads both alike (the new
     file marked finished, the old one without the mark)."""
     from lofast.certification.records import SCHEMA, write_records
 
@@ -159,9 +159,9 @@ def test_records_survive_a_schema_1_to_3_round_trip(one_thread, tmp_path):
     old = tmp_path / "schema1.jsonl"
     old.write_text("".join(r.to_json(schema=1) + "\n" for r in run.records))
     first = read_run(old)
-    new = tmp_path / "schema3.jsonl"
+    new = tmp_path / "schema4.jsonl"
     write_records(new, first)
-    assert json.loads(new.read_text().splitlines()[0])["schema"] == SCHEMA == 3
+    assert json.loads(new.read_text().splitlines()[0])["schema"] == SCHEMA == 4
     second = read_run(new)
     assert [asdict(r) for r in second] == [asdict(r) for r in first] == [asdict(r) for r in
                                                                           run.records]

@@ -68,12 +68,12 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
     resumed from it), the summary, the attention report. Under torchrun every process takes its
     interleaved part and writes ``out.rankIofN``; process 0 merges the parts, writes ``out``
     and returns the whole run, the others return None."""
-    from lofast.certification.records import RecordWriter, merge_runs, write_records
+    from lofast.certification.records import RecordWriter, Session, merge_runs, write_records
     from lofast.certification.report import summarize
     from lofast.data import ImageDataset
     from lofast.distributed import gather_on_first, process_group, torchrun_rank
     from lofast.files import check_writable
-    from lofast.runtime import default_batch_size, resolve_device
+    from lofast.runtime import default_batch_size, describe_device, resolve_device
 
     if progress is not None:
         check_progress(progress, RunProgress, ConfigError)
@@ -133,6 +133,9 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
         failure = 0.0
         progress.samples(len(records), len(order), None)
         proof_seconds = make_proofs(certifier, data, todo)
+        session = Session(describe_device(device), proof_seconds)
+        if todo:  # where and how long the proofs took, for a summary of the saved run
+            writer.begin_session(session)
         for x, batch, batch_failure in certified_batches(certifier, data, todo, config.eps,
                                                          run, batch_size, progress.note):
             failure = max(failure, batch_failure)
@@ -150,15 +153,15 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
         writer.close()
     if ranks is not None:
         with process_group("gloo"):
-            parts = gather_on_first(records)
+            parts = gather_on_first((records, writer.sessions))
         if parts is None:
             return None  # process 0 reports for all
-        records = merge_runs(parts)
-        if merged_out is not None:
-            write_records(merged_out, records)
+        records = merge_runs([part_records for part_records, _ in parts])
+        if merged_out is not None:  # with every session of every rank
+            write_records(merged_out, records, [s for _, sessions in parts for s in sessions])
     summary = summarize(records, config.eps, time.perf_counter() - started,
                         guarantee_text(settings, failure), settings.describe(),
-                        float(settings.kappa), str(device), proof_seconds=proof_seconds)
+                        float(settings.kappa), session.device, proof_seconds=proof_seconds)
     attention = None
     if config.attention_report:
         attention = measure_attention(model, data, records, config.eps, settings, device,

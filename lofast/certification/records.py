@@ -1,14 +1,18 @@
 """Per-sample records and their files (JSONL): the record, its schema, the writer that appends
 and resumes, the reader that checks every value, and the merge of a run's shards.
 
-Schema 3 (written now): a header line ``{"schema": 3, "eps": [keys], "run": {settings}}``,
-then one record a line, each without the run settings and with its ``certified_radius`` (the
-largest radius any verifier certified), and a line ``{"finished": {"samples": N}}`` when a run
-over N samples has a record for every one of them. A resumed run appends its records after
-it, and its own such line once it finishes: the file's run is finished where its last line is
-one. Schema 2 is schema 3 without those lines; schema 1 no header either, every record
-carrying its ``run`` (earlier files, read and resumed as they are: neither says whether its run
-finished). Eps keys are ``eps_key`` texts, in files alone.
+Schema 4 (written now): a header line ``{"schema": 4, "eps": [keys], "run": {settings}}``;
+for every session of the run (a ``lofast certify`` that certified some of its samples: the
+first, then each resume) a line ``{"session": {"device": text, "proof_seconds": s}}``, written
+once its once-per-model proofs are made, so that a saved run says where it ran and how long its
+proofs took; one record a line, each without the run settings and with its ``certified_radius``
+(the largest radius any verifier certified); and a line ``{"finished": {"samples": N}}`` when a
+run over N samples has a record for every one of them. A resumed run appends its session, its
+records and, once it finishes, its own such line: the file's run is finished where its last
+line is one. Schema 3 is schema 4 without session lines, schema 2 schema 3 without finished
+lines; schema 1 has no header either, every record carrying its ``run`` (earlier files, read
+and resumed in their own schema: 1 and 2 do not say whether their run finished, 1 to 3 not
+where it ran). Eps keys are ``eps_key`` texts, in files alone.
 """
 
 from __future__ import annotations
@@ -21,13 +25,13 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from lofast.errors import LofastError
 from lofast.files import atomic_write, check_readable, read_lines
 
-SCHEMA = 3  # the record schema this lofast writes
-READ_SCHEMAS = (1, 2, 3)  # the schemas it reads and resumes (1 has no header line)
+SCHEMA = 4  # the record schema this lofast writes
+READ_SCHEMAS = (1, 2, 3, 4)  # the schemas it reads and resumes (1 has no header line)
 
 
 def eps_key(eps: float) -> str:
@@ -140,11 +144,26 @@ PER_EPS_FIELDS = {"verdicts": "certified", "bounds": "bound", "verifiers": "veri
 ALWAYS_WRITTEN = ("verdicts", "bounds", "verifiers")
 
 
+@dataclass(frozen=True)
+class Session:
+    """One ``lofast certify`` of a run that certified some of its samples (schema 4): where it
+    ran (``runtime.describe_device``) and the seconds of its once-per-model proofs, which no
+    record's seconds include."""
+
+    device: str
+    proof_seconds: float
+
+    def to_json(self) -> str:
+        return json.dumps({"session": {"device": self.device,
+                                       "proof_seconds": self.proof_seconds}}, allow_nan=False)
+
+
 # Every record line starts so (``to_json``'s field order), a header line with HEADER_START, a
-# finished line with FINISHED_START: a final line without its newline that starts so is one torn
-# by an interrupt; anything else is not a record file of ours.
+# session line with SESSION_START, a finished line with FINISHED_START: a final line without its
+# newline that starts so is one torn by an interrupt; anything else is not a record file of ours.
 RECORD_START = b'{"index": '
 HEADER_START = b'{"schema": '
+SESSION_START = b'{"session": '
 FINISHED_START = b'{"finished": '
 
 # Field -> accepted JSON types, checked when records are read back (--resume, lofast report).
@@ -185,6 +204,7 @@ class RecordWriter:
         self.path = path
         self.done: dict[int, SampleRecord] = {}
         self.finished: int | None = None  # the sample count of the file's last line's mark
+        self.sessions: list[Session] = []  # the file's, then this run's (schema 4)
         self.handle = None
         if path is None:
             return
@@ -208,8 +228,10 @@ class RecordWriter:
         try:
             if resume:
                 handle.seek(0)
-                self.done, valid, self.schema, self.finished = parse_records(
-                    read_lines(handle, path), path, eps, run)
+                parsed = parse_records(read_lines(handle, path), path, eps, run)
+                self.done, valid = parsed.records, parsed.valid
+                self.schema, self.finished = parsed.schema, parsed.finished
+                self.sessions = parsed.sessions
                 if valid < handle.seek(0, os.SEEK_END):
                     handle.truncate(valid)  # drop the torn last line, nothing else
             self.handle = handle
@@ -220,6 +242,15 @@ class RecordWriter:
             handle.close()
             self.handle = None
             raise
+
+    def begin_session(self, session: Session) -> None:
+        """Append the line of a session that is about to certify samples (schema 4; a resumed
+        file of an earlier schema gets none): a run resumed after its finished mark is open
+        again until it finishes."""
+        if self.handle is not None and self.schema >= 4:
+            self._append(session.to_json() + "\n")
+            self.finished = None
+        self.sessions.append(session)
 
     def write(self, records: Iterable[SampleRecord]) -> None:
         """Append records in the file's schema (a schema-1 file resumed stays schema 1)."""
@@ -336,8 +367,26 @@ def header_line(eps: Sequence[float] | Sequence[str], run: dict[str, Any]) -> st
 
 
 def finished_line(samples: int) -> str:
-    """The line that marks a run over ``samples`` samples finished (schema 3)."""
+    """The line that marks a run over ``samples`` samples finished (schemas 3 and 4)."""
     return json.dumps({"finished": {"samples": samples}}) + "\n"
+
+
+def _session(line: bytes) -> Session | None:
+    """The session of a session line, or None where the line is not one: a device text and
+    proof seconds that are a finite number >= 0."""
+    try:
+        values = json.loads(line.decode("utf-8"), parse_constant=_no_constants)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not (isinstance(values, dict) and set(values) == {"session"}
+            and isinstance(values["session"], dict)
+            and set(values["session"]) == {"device", "proof_seconds"}):
+        return None
+    device, seconds = values["session"]["device"], values["session"]["proof_seconds"]
+    if not (isinstance(device, str) and device and type(seconds) in (int, float)
+            and math.isfinite(seconds) and seconds >= 0):
+        return None
+    return Session(device, float(seconds))
 
 
 def _finished(line: bytes) -> int | None:
@@ -373,17 +422,26 @@ def _header(line: bytes, path: Path) -> tuple[list[str], dict[str, Any], int]:
     return values["eps"], values["run"], schema
 
 
+class ParsedFile(NamedTuple):
+    """What ``parse_records`` reads off a record file."""
+
+    records: dict[int, SampleRecord]  # by sample index
+    valid: int  # the length of the file's valid part: all but a torn final line
+    schema: int
+    finished: int | None  # the sample count of the last line's finished mark, else None
+    sessions: list[Session]  # in file order (schema 4)
+
+
 def parse_records(lines: Iterable[bytes], path: Path, eps: Sequence[float] | None = None,
-                  run: dict[str, Any] | None = None,
-                  ) -> tuple[dict[int, SampleRecord], int, int, int | None]:
-    """Records of a JSONL file's lines (``files.read_lines``) by index, the length of its valid
-    part (all but a torn final line), its schema (3 or 2: a header line with the eps and the
-    run settings, then records without them; 1: records carrying their run settings) and, where
-    its last line marks a finished run (schema 3), that run's sample count, else None. A file
-    that is not ours, or whose records were made for other eps values or other run settings
-    than given (or, where none are given, than its header's or first record's), is refused with
-    LofastError naming the file and line."""
+                  run: dict[str, Any] | None = None) -> ParsedFile:
+    """A JSONL file's lines (``files.read_lines``) read as a record file: its schema (2 to 4: a
+    header line with the eps and the run settings, then records without them; 1: records
+    carrying their run settings), records, sessions (schema 4) and finished mark (3 and 4).
+    A file that is not ours, or whose records were made for other eps values or other run
+    settings than given (or, where none are given, than its header's or first record's), is
+    refused with LofastError naming the file and line."""
     records: dict[int, SampleRecord] = {}
+    sessions: list[Session] = []
     keys = None if eps is None else {eps_key(e) for e in eps}
     valid, schema, header_run, finished = 0, 1, None, None
     torn = b""
@@ -407,7 +465,16 @@ def parse_records(lines: Iterable[bytes], path: Path, eps: Sequence[float] | Non
                                   f"run's mark without its records)")
             valid += len(line)
             continue
-        finished = None  # a record after the mark: a resumed run, not yet finished
+        # a session or a record after the mark: a resumed run, not yet finished
+        finished = None
+        if schema >= 4 and line.startswith(SESSION_START):
+            session = _session(line)
+            if session is None:
+                raise LofastError(f"{path}:{number}: not a lofast record file (a session line "
+                                  "needs a device and proof seconds >= 0)")
+            sessions.append(session)
+            valid += len(line)
+            continue
         try:
             values = json.loads(line.decode("utf-8"), parse_constant=_no_constants)
             if schema >= 2:  # the header's settings; the certified radius recomputed, checked
@@ -430,12 +497,12 @@ def parse_records(lines: Iterable[bytes], path: Path, eps: Sequence[float] | Non
         records[record.index] = record
         valid += len(line)
     if torn and not any(torn.startswith(s) or s.startswith(torn)
-                        for s in (RECORD_START, HEADER_START, FINISHED_START)):
+                        for s in (RECORD_START, HEADER_START, SESSION_START, FINISHED_START)):
         raise LofastError(f"{path}: not a lofast record file (its last line is not a record); "
                           "--resume continues only a file that lofast certify wrote")
     if torn:  # a line cut off after the mark: a resumed run stopped while writing
         finished = None
-    return records, valid, schema, finished
+    return ParsedFile(records, valid, schema, finished, sessions)
 
 
 def _check_same(path: Path, keys: set[str], expected: set[str], run: dict[str, Any],
@@ -454,12 +521,14 @@ def _check_same(path: Path, keys: set[str], expected: set[str], run: dict[str, A
 
 @dataclass(frozen=True)
 class SavedRun:
-    """A record file's records, in file order, and whether its run finished: True where its
-    last line marks it so, False where the run stopped before (an interrupt, a crash, a
-    killed job), None for a file of schema 1 or 2, which does not say."""
+    """A record file's records, in file order, whether its run finished (True where its last
+    line marks it so, False where the run stopped before: an interrupt, a crash, a killed job;
+    None for a file of schema 1 or 2, which does not say) and its sessions (none in a file of
+    schema 1 to 3, which does not say where it ran)."""
 
     records: list[SampleRecord]
     finished: bool | None
+    sessions: tuple[Session, ...] = ()
 
 
 def load_run(path: Path, allow_empty: bool = False) -> SavedRun:
@@ -470,12 +539,14 @@ def load_run(path: Path, allow_empty: bool = False) -> SavedRun:
     check_readable(path, "record file")
     try:
         with open(path, "rb") as handle:
-            records, _, schema, finished = parse_records(read_lines(handle, path), path)
+            parsed = parse_records(read_lines(handle, path), path)
     except OSError as e:
         raise LofastError(f"cannot read {path}: {e.strerror or e}") from None
-    if not records and not allow_empty:
+    if not parsed.records and not allow_empty:
         raise LofastError(f"{path}: holds no records")
-    return SavedRun(list(records.values()), finished is not None if schema >= 3 else None)
+    return SavedRun(list(parsed.records.values()),
+                    parsed.finished is not None if parsed.schema >= 3 else None,
+                    tuple(parsed.sessions))
 
 
 def read_run(path: Path, allow_empty: bool = False) -> list[SampleRecord]:
@@ -483,13 +554,15 @@ def read_run(path: Path, allow_empty: bool = False) -> list[SampleRecord]:
     return load_run(path, allow_empty).records
 
 
-def write_records(path: Path, records: Sequence[SampleRecord]) -> None:
-    """Write the records of one whole run (all its samples) as one JSONL file of this schema
-    (its header from the first record, marked finished), atomically (a temporary file renamed
-    into place)."""
+def write_records(path: Path, records: Sequence[SampleRecord],
+                  sessions: Sequence[Session] = ()) -> None:
+    """Write the records of one whole run (all its samples) and the sessions that made them as
+    one JSONL file of this schema (its header from the first record, marked finished),
+    atomically (a temporary file renamed into place)."""
     if not records:
         raise LofastError(f"no records to write to {path}")
     lines = (header_line(records[0].eps, records[0].run)
+             + "".join(session.to_json() + "\n" for session in sessions)
              + "".join(record.to_json() + "\n" for record in records)
              + finished_line(len(records)))
     atomic_write(Path(path), lambda tmp: Path(tmp).write_text(lines, encoding="utf-8"))
@@ -525,9 +598,9 @@ def merge_runs(runs: Sequence[Sequence[SampleRecord]]) -> list[SampleRecord]:
 
 
 def merge_saved_runs(parts: Sequence[SavedRun]) -> SavedRun:
-    """``merge_runs`` of saved parts, finished where the whole is: shards by ``merge_runs``'
-    check of their counts, whole runs where every one finished (False where one did not, None
-    where one does not say)."""
+    """``merge_runs`` of saved parts, finished where the whole is (shards by ``merge_runs``'
+    check of their counts, whole runs where every one finished; False where one did not, None
+    where one does not say), with the sessions of all parts."""
     records = merge_runs([part.records for part in parts])
     marks = [part.finished for part in parts]
     if any(r.run.get("shard") is not None for part in parts for r in part.records):
@@ -536,7 +609,7 @@ def merge_saved_runs(parts: Sequence[SavedRun]) -> SavedRun:
         finished = False
     else:
         finished = None if None in marks else True
-    return SavedRun(records, finished)
+    return SavedRun(records, finished, tuple(s for part in parts for s in part.sessions))
 
 
 def _unsharded(run: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 from rich.table import Table
 
-from lofast.certification.records import SampleRecord, eps_key
+from lofast.certification.records import SampleRecord, SavedRun, eps_key
 from lofast.config import Requirement, check_requirements, parse_allowed_drop, parse_requirement
 from lofast.errors import ConfigError, LofastError
 
@@ -32,6 +32,8 @@ class Summary:
     median_radius: float
     mean_radius: float
     mean_ms_per_sample: float
+    # A run's wall time; a saved run's, the samples' seconds and its proofs' (over its sessions
+    # and merged parts: machine time, not wall time)
     total_seconds: float
     guarantee: str
     bound: str
@@ -54,8 +56,8 @@ class Summary:
     # lofast, which does not say (``records.SavedRun``).
     finished: bool | None = True
     # Seconds of the certifier's once-per-model proofs, made before the first batch and kept
-    # out of the samples' times (``pipeline.make_proofs``); None for a saved run, whose records
-    # hold only the samples' times.
+    # out of the samples' times (``pipeline.make_proofs``); for a saved run, summed over its
+    # sessions (None for a file of an earlier lofast, which holds only the samples' times).
     proof_seconds: float | None = None
 
     def unmet(self, requirements: Sequence[Requirement | str]) -> list[str]:
@@ -144,6 +146,23 @@ def summarize(records: Sequence[SampleRecord], eps: Sequence[float], total_secon
         finished=finished,
         proof_seconds=proof_seconds,
     )
+
+
+def summarize_saved(saved: SavedRun) -> Summary:
+    """``summarize`` of a saved run (``lofast report``): its settings from its records, its
+    device from its sessions (each distinct one, "; " between them; "-" for a file of an
+    earlier lofast, which does not say) and its total time the samples' seconds plus the
+    sessions' proofs."""
+    records = saved.records
+    run = records[0].run if records else {}
+    devices = list(dict.fromkeys(session.device for session in saved.sessions))
+    proofs = (sum(session.proof_seconds for session in saved.sessions) if saved.sessions
+              else None)
+    return summarize(records, sorted(records[0].eps) if records else [],
+                     sum(r.seconds for r in records) + (proofs or 0.0),
+                     run.get("guarantee", "-"), run.get("bound", "-"),
+                     run.get("kappa", math.nan), "; ".join(devices) or "-", saved.finished,
+                     proofs)
 
 
 @dataclass

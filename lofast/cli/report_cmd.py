@@ -43,7 +43,7 @@ def report(runs, plot_path, merge, as_json, requirements, baseline_path, drops) 
     from lofast.certification.report import (
         compare,
         comparison_table,
-        summarize,
+        summarize_saved,
         summary_table,
     )
 
@@ -59,16 +59,11 @@ def report(runs, plot_path, merge, as_json, requirements, baseline_path, drops) 
         loaded = {" + ".join(Path(p).name for p in loaded): merge_saved_runs(list(loaded.values()))}
     summaries = {}
     for name, saved in loaded.items():
-        records = saved.records
-        run = records[0].run
-        eps = sorted(records[0].eps)
-        summaries[name] = summarize(records, eps, sum(r.seconds for r in records),
-                                    run.get("guarantee", "-"), run.get("bound", "-"),
-                                    run.get("kappa", float("nan")), "-", saved.finished)
+        summaries[name] = summarize_saved(saved)
         if saved.finished is False:
             stderr.print(f"{escape(Path(name).name)}: the run did not finish; its summary "
-                         f"covers the {len(records)} samples certified before it stopped",
-                         soft_wrap=True)
+                         f"covers the {len(saved.records)} samples certified before it "
+                         "stopped", soft_wrap=True)
     comparisons = {}
     if baseline is not None:
         if baseline.finished is False:
