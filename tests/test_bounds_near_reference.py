@@ -70,15 +70,21 @@ def live_block(n, d, h, dh, gain, seed, biased=True, residual=True):
     return with_score_gain(w, gain)
 
 
+@pytest.mark.parametrize("query_side", ["as chosen", "by scores", "by the covariances"])
 @pytest.mark.parametrize("n, d, h, dh", [(6, 16, 2, 8), (12, 8, 4, 2)],
                          ids=["adjoint by the n x d products", "adjoint by the projections"])
-def test_products_match_the_maps_and_their_adjoints(n, d, h, dh):
-    from lofast.bounds.near_reference import adjoint_by_projections
+def test_products_match_the_maps_and_their_adjoints(n, d, h, dh, query_side, monkeypatch):
+    from lofast.bounds import near_reference
+    from lofast.bounds.near_reference import adjoint_by_projections, query_side_by_scores
 
     w = live_block(n, d, h, dh, 1.0, seed=1)
     X = make_tokens(3, n, d, 1.0, seed=2)
     data = jacobian_data(X, w)
     assert adjoint_by_projections(data) == (h * n > n + d)
+    assert query_side_by_scores(data) == (n <= dh)  # make_weights: dv = dh
+    if query_side != "as chosen":  # either route gives the image
+        monkeypatch.setattr(near_reference, "query_side_by_scores",
+                            lambda data: query_side == "by scores")
     P, q, k, v, o = (data.probs, *(t.to(F64) for t in (w.query, w.key, w.value, w.output)))
     apply_t, adjoint_t = first_order_maps(P, v, o, True)
     x_value_out = torch.einsum("bhne,hef->bhnf", data.x_value, o)
@@ -206,14 +212,18 @@ def test_the_row_softmax_jacobian_in_place_out_of_place_and_under_vmap():
     torch.testing.assert_close(batched, reference)
 
 
-@pytest.mark.parametrize("n, d, h, dh", [(5, 16, 4, 4), (12, 8, 4, 6)],
-                         ids=["adjoint by the n x d products", "adjoint by the projections"])
+@pytest.mark.parametrize("n, d, h, dh", [(5, 16, 4, 4), (12, 8, 4, 6), (4, 16, 2, 8)],
+                         ids=["adjoint by the n x d products", "adjoint by the projections",
+                              "query side by scores"])
 def test_rounding_bound_covers_single_precision_products(n, d, h, dh):
     # the rounding bound scales with the unit roundoff: the same products in float32 (data
     # included) stay within r * (u32 / u64) of the float64 ones
+    from lofast.bounds.near_reference import query_side_by_scores
+
     w = live_block(n, d, h, dh, 3.0, seed=4)
     X = make_tokens(2, n, d, 2.0, seed=5)
     data = jacobian_data(X, w)
+    assert query_side_by_scores(data) == (n <= dh)
     single = JacobianData(**{name: getattr(data, name).float() if torch.is_tensor(
         getattr(data, name)) else getattr(data, name) for name in data.__dataclass_fields__})
     r_first, r_whole = jacobian_rounding(data)

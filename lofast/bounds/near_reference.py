@@ -201,8 +201,8 @@ class JacobianData:
         covariance of token i's attention row, k = X Wk_l, v = X Wv_l / s, kbar = P_l k,
         vbar = P_l v. It carries the part of a score change that meets X's own keys through
         the softmax Jacobian: sum_m J_l(E)[i, m] v_m = a_i^T C_li for E[i, m] = a_i . k_m and
-        any a (n, dh), so the products need no (n x n) scores for that part
-        (``jacobian_apply``, ``jacobian_adjoint``).
+        any a (n, dh), so the products need no (n x n) scores for that part where
+        ``query_side_by_scores`` says so (``jacobian_apply``, ``jacobian_adjoint``).
         Every term of C_li is a term of the scores' evaluation with one rounding path
         replaced by another of no more roundings: ``jacobian_rounding`` covers both."""
         values = self.scaled_values
@@ -285,6 +285,16 @@ def _mix_tokens(probs: Tensor, value: Tensor, per_sample: bool | None = None) ->
     return out
 
 
+def query_side_by_scores(data: JacobianData) -> bool:
+    """Whether ``jacobian_apply`` forms the score change's query side G_j Wq_l (X Wk_l)^T as
+    scores (2 h n^2 k dh operations a sample, added to the key side's before the softmax
+    Jacobian) rather than by the covariances (2 h n k dh dv, and 2 h n^2 dh dv to form them
+    once): where n <= dv, a few dozen tokens at most (the live default, 17 tokens and 32
+    features a head: 11.6 against 13.6 ms a sample for k = 320, two Xeon threads)."""
+    _, n, dv, _ = data.shape
+    return n <= dv
+
+
 def jacobian_apply(basis: Tensor, data: JacobianData, softmax: bool,
                    projected: ProjectedBasis | None = None) -> Tensor:
     """T_X G_j, or (T_X + D_X) G_j with ``softmax``, for the same k vectors G_j (k, n, d) for
@@ -306,15 +316,18 @@ def jacobian_apply(basis: Tensor, data: JacobianData, softmax: bool,
     if softmax:
         # The score change E1_l(G_j) = G_j Wq_l (X Wk_l)^T + X Wq_l (G_j Wk_l)^T through J_l,
         # then (X Wv_l / s)^T. Its key side X Wq_l (G_j Wk_l)^T mixes every token m: formed,
-        # [b, l, i, (j, m)]
+        # [b, l, i, (j, m)]; its query side too where ``query_side_by_scores``, [b, l, (i, j), m]
         scores = (data.x_query @ projected.key).view(batch, heads, n, count, n)
+        by_scores = query_side_by_scores(data)
+        if by_scores:
+            scores.view(batch, heads, n * count, n).add_(projected.query @ data.x_key.mT)
         row_softmax_jacobian(data.probs[:, :, :, None], scores, out=scores)  # in place
         mixed.view(batch * heads, dv, n * count).baddbmm_(
             data.scaled_values.reshape(batch * heads, n, dv).mT,
             scores.view(batch * heads, n * count, n).mT)  # feature-major as the values
-        # its query side G_j Wq_l (X Wk_l)^T by the covariances: (G_j Wq_l)_i^T C_li
-        mixed += torch.einsum("lijd,blide->bleij",
-                              projected.query.view(heads, n, count, dh), data.covariances)
+        if not by_scores:  # the query side by the covariances: (G_j Wq_l)_i^T C_li
+            mixed += torch.einsum("lijd,blide->bleij",
+                                  projected.query.view(heads, n, count, dh), data.covariances)
     out = torch.baddbmm(projected.tokens.view(1, n * count, d).expand(batch, -1, -1),
                         mixed.view(batch, heads * dv, n * count).mT,
                         data.output.expand(batch, -1, -1), beta=data.residual)  # [b, (i, j), f]
@@ -402,9 +415,11 @@ def jacobian_rounding(data: JacobianData) -> tuple[Tensor, Tensor]:
     X Wq_l Wk_l^T, whose entries are sums of dh products and, taken absolutely, at most the
     products |X Wk_l| |Wq_l|^T that the bound below counts), plus 2 h dh where the adjoint
     goes by the projections (``adjoint_by_projections``: sums over n tokens, then over
-    2 h dh; the same absolute products, associated the other way). The terms that go by the
-    covariances (``JacobianData.covariances``: the score change's query side in the image, the
-    adjoint's first half) are the same products P_im k_m v_m a_i and P_im P_im' k_m' v_m a_i,
+    2 h dh; the same absolute products, associated the other way). The score change's query
+    side in the image goes by scores as its key side does (``query_side_by_scores``: d + dh
+    + 2 n + h dv + 8 roundings at most), or by the covariances (``JacobianData.covariances``),
+    as the adjoint's first half does where it goes by the projections: those terms are the
+    same products P_im k_m v_m a_i and P_im P_im' k_m' v_m a_i,
     summed over m, m' and the features in another order (at most n + d + dh + h (dv + dh) + 6
     roundings each), so their absolute evaluation is the one below.
     The absolute evaluation of T_X has Frobenius norm at most
@@ -436,8 +451,9 @@ def jacobian_working_elements(count: int, data: JacobianData, softmax: bool) -> 
     one sample and ``count`` vectors: the image and the adjoint's output (k n d each), its
     feature-major values twice (k n h dv each) and, with the softmax part, its score tensors
     (k h n^2: once as scores, twice as the adjoint's left factor, or 4 k h dh n for the two
-    halves where it goes by the projections) and the covariances' term (k n h dv), plus a few
-    tensors of the sample alone (below).
+    halves where it goes by the projections) and the query side's term (k h n^2 as scores,
+    ``query_side_by_scores``, else k n h dv by the covariances), plus a few tensors of the
+    sample alone (below).
     The score tensors dominate from a few dozen tokens (at 257 tokens, width 128, 8 heads:
     1.7e6 k elements, 26 times k n d), so chunks sized by k n d alone would hold 26 times
     their workspace."""
@@ -445,15 +461,20 @@ def jacobian_working_elements(count: int, data: JacobianData, softmax: bool) -> 
     d = data.output.shape[1]
     scores = (heads * n * n + 4 * heads * dh * n if adjoint_by_projections(data)
               else 3 * heads * n * n)  # the adjoint's left factor, or its two halves twice
-    per_vector = 2 * n * d + 2 * heads * dv * n + (scores + heads * dv * n if softmax else 0)
+    by_scores = query_side_by_scores(data)
+    query_side = heads * n * n if by_scores else heads * dv * n
+    per_vector = 2 * n * d + 2 * heads * dv * n + (scores + query_side if softmax else 0)
     # and per sample: ``_mix_tokens``' copies (route "heads": the values token-major and a
     # head's product, h n dv k each; else P_l expanded over the value features), with the
     # softmax part X Wv_l / s twice, the adjoint's right factor X Wk_l Wq_l^T, X Wq_l Wk_l^T
-    # (2 h n d) twice and the covariances with their outer products (h n dh dv each)
+    # (2 h n d) twice and, where used, the covariances with their outer products (h n dh dv
+    # each)
     by_heads = mixing_route(data.probs.device, n, count) == "heads"
     mixing = 2 * heads * n * dv * count if by_heads else heads * dv * n * n
-    per_sample = mixing + (2 * heads * n * dv + 4 * heads * n * d
-                           + 2 * heads * n * dh * dv if softmax else 0)
+    covariances = (2 * heads * n * dh * dv
+                   if not by_scores or adjoint_by_projections(data) else 0)
+    per_sample = mixing + (2 * heads * n * dv + 4 * heads * n * d + covariances
+                           if softmax else 0)
     return count * per_vector + per_sample
 
 
