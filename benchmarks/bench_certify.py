@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import time
@@ -55,7 +54,7 @@ from lofast.bounds.spectral import SpectralMethod
 from lofast.certification.certificate import BOUND_TERMS, Certifier, CertifySettings
 from lofast.checkpoint import checkpoint_path, load_checkpoint
 from lofast.data.sample import class_balanced_order, load_bundled_sample
-from lofast.runtime import resolve_device
+from lofast.runtime import device_name, resolve_device
 
 KINDS = {"exact": "verified", "exact-dense": "dense", "probabilistic": "lanczos",
          "estimate": "power"}
@@ -193,8 +192,7 @@ def main() -> None:
             if k != "batch_size") + " (ms/sample)", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=False).stdout.strip()
-    report = {"device": str(device), "cuda": torch.cuda.get_device_name(device)
-              if device.type == "cuda" else platform.processor() or platform.machine(),
+    report = {"device": str(device), "cuda": device_name(device),
               "threads": torch.get_num_threads(), "guarantee": args.guarantee,
               "model": model.config.to_json(), "commit": commit, "setup_seconds": setup,
               "clean_accuracy": correct.double().mean().item(),

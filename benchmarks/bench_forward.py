@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import platform
 
 import torch
 from measure import output_file, timed  # beside this script
@@ -28,7 +27,7 @@ from torch import nn
 
 from lofast.checkpoint import checkpoint_path, load_checkpoint
 from lofast.config import ModelConfig
-from lofast.runtime import resolve_device
+from lofast.runtime import device_name, resolve_device
 
 
 class PlainViT(nn.Module):
@@ -74,7 +73,7 @@ def main() -> None:
         x = images.clone().requires_grad_(True)
         return torch.autograd.grad(net(x).max(dim=1).values.sum(), x)[0]
 
-    report = {"device": str(device), "cpu": platform.processor() or platform.machine(),
+    report = {"device": str(device), "cpu": device_name(device),
               "threads": torch.get_num_threads(), "batch": args.batch, "model": config.to_json()}
     for name, run in (("inference", torch.no_grad()(lambda net: net(images))),
                       ("attack_step", attack_step)):

@@ -23,7 +23,7 @@ import torch
 from measure import output_file, timed  # beside this script
 
 from lofast.bounds import spectral
-from lofast.runtime import resolve_device
+from lofast.runtime import device_name, resolve_device
 
 
 def best_time(function, device: torch.device, repeats: int = 3) -> tuple[torch.Tensor, float]:
@@ -100,8 +100,8 @@ def main() -> None:
             finally:
                 torch.backends.cuda.preferred_linalg_library("default")
         print(f"eigh of {args.batch} matrices 288 x 288 (ms): {eigh}", flush=True)
-    report = {"device": str(device), "cuda": torch.cuda.get_device_name(device)
-              if device.type == "cuda" else "cpu", "threads": torch.get_num_threads(),
+    report = {"device": str(device), "cuda": device_name(device),
+              "threads": torch.get_num_threads(),
               "rows": rows, "lanczos_tridiagonal": lanczos, "deflation_eigh_ms": eigh}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import time
 
 import torch
@@ -40,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lofast.checkpoint import checkpoint_path, load_checkpoint
 from lofast.config import TrainConfig, preset
 from lofast.models.vit import LipschitzViT, create_model
-from lofast.runtime import resolve_device
+from lofast.runtime import device_name, resolve_device
 from lofast.training.bound import TrainingBound
 from lofast.training.loop import autocast_enabled, training_step
 from lofast.training.objective import CompiledObjective, TrainingObjective
@@ -171,8 +170,7 @@ def main() -> None:
                        / rows[f"ce, compiled ({mode})"]["ms_per_step"] for mode in args.compile}
     for mode, compiled_ratio in compiled_ratios.items():
         print(f"certified / plain, both compiled ({mode}): {compiled_ratio:.2f}x")
-    report = {"device": str(device), "processor": torch.cuda.get_device_name(device)
-              if device.type == "cuda" else platform.processor() or platform.machine(),
+    report = {"device": str(device), "processor": device_name(device),
               "threads": torch.get_num_threads(), "preset": args.preset,
               "checkpoint": args.checkpoint,
               "batch_size": args.batch_size, "power_iterations": args.power_iterations,

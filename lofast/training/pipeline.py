@@ -52,7 +52,7 @@ def run_train(config: TrainConfig, run: TrainRun, progress: TrainProgress | None
     from lofast.distributed import process_group, torchrun_rank
     from lofast.files import check_writable
     from lofast.models.vit import create_model, with_options
-    from lofast.runtime import resolve_device
+    from lofast.runtime import describe_device, resolve_device
     from lofast.training.loop import StopSignals, train
 
     if progress is not None:
@@ -134,7 +134,7 @@ def run_train(config: TrainConfig, run: TrainRun, progress: TrainProgress | None
                 "clean_accuracy": None if final is None else final.test_accuracy,
                 "epochs": 0 if final is None else final.epoch,
                 **({} if stopped is None else {"stopped": stopped}),
-                "device": str(device),
+                "device": describe_device(device),
                 "train_seconds": sum(h.seconds for h in history),
                 "history": [h.__dict__ for h in history],
             })
