@@ -127,7 +127,8 @@ def peak_allocated_bytes(run) -> int:
 @pytest.mark.parametrize("n, d, h, dh, count, batch", [
     (33, 16, 4, 4, 8, 1),  # scores dominate (h n^2 > n d)
     (65, 32, 4, 8, 6, 1),
-    (5, 64, 4, 16, 16, 1),  # values dominate
+    (5, 64, 4, 16, 16, 1),  # values dominate; the query side by scores
+    (9, 64, 4, 16, 16, 3),  # the query side by scores, three samples at once
     (17, 64, 8, 8, 12, 3)])
 def test_the_chunk_planner_counts_what_the_jacobian_products_hold(n, d, h, dh, count, batch):
     """``jacobian_working_elements`` (what ``deflated_first_order_bound`` sizes its chunks of
