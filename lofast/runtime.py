@@ -1,9 +1,9 @@
 """Where and how much a driver runs: the device a name means and how summaries name it, the
 batch size a device takes by default (``certification.pipeline.run_certify``,
-``training.pipeline.run_train`` and the benchmarks), and the wall-clock and memory limits of bound computations that may run long or
-grow large (the CROWN fallback and branch and bound). The limits turn what would otherwise end
-or hang the process (the kernel's OOM killer, a bound that takes an hour) into exceptions that
-callers report as per-sample results."""
+``training.pipeline.run_train`` and the benchmarks), and the wall-clock and memory limits of
+bound computations that may run long or grow large (the CROWN fallback and branch and bound).
+The limits turn what would otherwise end or hang the process (the kernel's OOM killer, a bound
+that takes an hour) into exceptions that callers report as per-sample results."""
 
 from __future__ import annotations
 
