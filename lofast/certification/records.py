@@ -371,18 +371,26 @@ def finished_line(samples: int) -> str:
     return json.dumps({"finished": {"samples": samples}}) + "\n"
 
 
-def _session(line: bytes) -> Session | None:
-    """The session of a session line, or None where the line is not one: a device text and
-    proof seconds that are a finite number >= 0."""
+def _mark_fields(line: bytes, kind: str, fields: set[str]) -> dict[str, Any] | None:
+    """The fields of a line {kind: {fields}} (a session or finished line), or None where the
+    line is not valid JSON of exactly that shape."""
     try:
         values = json.loads(line.decode("utf-8"), parse_constant=_no_constants)
     except (UnicodeDecodeError, ValueError, RecursionError):
         return None
-    if not (isinstance(values, dict) and set(values) == {"session"}
-            and isinstance(values["session"], dict)
-            and set(values["session"]) == {"device", "proof_seconds"}):
+    if not (isinstance(values, dict) and set(values) == {kind}
+            and isinstance(values[kind], dict) and set(values[kind]) == fields):
         return None
-    device, seconds = values["session"]["device"], values["session"]["proof_seconds"]
+    return values[kind]
+
+
+def _session(line: bytes) -> Session | None:
+    """The session of a session line, or None where the line is not one: a device text and
+    proof seconds that are a finite number >= 0."""
+    values = _mark_fields(line, "session", {"device", "proof_seconds"})
+    if values is None:
+        return None
+    device, seconds = values["device"], values["proof_seconds"]
     if not (isinstance(device, str) and device and type(seconds) in (int, float)
             and math.isfinite(seconds) and seconds >= 0):
         return None
@@ -391,14 +399,10 @@ def _session(line: bytes) -> Session | None:
 
 def _finished(line: bytes) -> int | None:
     """The sample count of a finished line, or None where the line is not one."""
-    try:
-        values = json.loads(line.decode("utf-8"), parse_constant=_no_constants)
-    except (UnicodeDecodeError, ValueError, RecursionError):
+    values = _mark_fields(line, "finished", {"samples"})
+    if values is None:
         return None
-    if not (isinstance(values, dict) and set(values) == {"finished"}
-            and isinstance(values["finished"], dict) and set(values["finished"]) == {"samples"}):
-        return None
-    samples = values["finished"]["samples"]
+    samples = values["samples"]
     return samples if type(samples) is int and samples >= 0 else None
 
 
