@@ -248,6 +248,29 @@ def test_large_sizes_get_past_a_flat_top_cluster():
     assert exact <= second <= exact + 5 * 0.05 ** 2
 
 
+def test_the_large_deflation_takes_the_lanczos_steps_of_the_size_it_chooses(monkeypatch):
+    """Lanczos grows size by size and stops at the first size past the flat top: 3 k + 20
+    steps for k = 64 (and the complement's estimate), not those of the largest candidate
+    (512, capped at N = 400), and its Ritz vectors still leave a complement at the cluster's
+    next singular value."""
+    from lofast.bounds.deflation import COMPLEMENT_LANCZOS_STEPS, LARGE_DEFLATION_SIZES
+
+    monkeypatch.setattr(deflation_module, "DENSE_SIZE", 0)
+    values = [2.0 - 0.0005 * i for i in range(40)] + [1.5] * 10
+    T, _, _ = operator(400, values, seed=8)
+    gram, error = gram_with_error(T[None])
+    S = gram[0]
+    calls = []
+
+    def counted(q):
+        calls.append(q.shape[0])
+        return q @ S
+
+    large = deflate_gram(-S, float(error[0]), counted, sizes=LARGE_DEFLATION_SIZES)
+    assert large.size == 64 and large.complement <= 1.5 * (1 + 1e-3)
+    assert len(calls) <= 3 * 64 + 20 + COMPLEMENT_LANCZOS_STEPS
+
+
 def test_a_poor_basis_is_sound():
     # a random subspace instead of the top singular vectors: the complement holds the top, and
     # the bound can exceed the triangle inequality ||T_R|| + delta (callers keep the smaller)

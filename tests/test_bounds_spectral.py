@@ -260,6 +260,34 @@ def test_matrix_norm_upper_svd_route(monkeypatch):
     assert (upper >= exact).all() and (upper <= exact * (1 + 2 * ROUNDING_MARGIN)).all()
 
 
+def test_lanczos_taken_in_stages_matches_one_run():
+    # a deflation grows its run size by size: m steps in stages are m steps at once, to the bit
+    g = torch.Generator().manual_seed(41)
+    A = torch.randn(3, 90, 90, generator=g, dtype=torch.float64)
+    A = A @ A.mT
+
+    def gram(q):
+        return (A @ q[..., None])[..., 0]
+
+    start = torch.randn(3, 90, generator=g, dtype=torch.float64)
+    start = start / torch.linalg.vector_norm(start, dim=1, keepdim=True)
+    whole = krylov.LanczosRun(gram, start, 40)
+    whole.advance(40)
+    staged = krylov.LanczosRun(gram, start, 60)
+    for m in (7, 7, 23, 40):
+        staged.advance(m)
+    assert torch.equal(staged.tridiagonal(), whole.tridiagonal())
+    assert torch.equal(staged.basis, whole.basis)
+    values, vectors = staged.ritz_pairs(5)
+    assert torch.equal(values, whole.ritz_pairs(5)[0])
+    assert torch.allclose(values[:, 0], torch.linalg.eigvalsh(A)[:, -1], rtol=1e-10)
+    assert torch.allclose(staged.ritz_values()[:, :5], values, rtol=1e-12)
+    assert vectors.shape == (3, 5, 90)
+    for bad in (39, 61):
+        with pytest.raises(ValueError, match="cannot advance"):
+            staged.advance(bad)
+
+
 @pytest.mark.parametrize("dim", [1, 2, 25, 276, 277, 289, 640, 2176, 8320, 10**5])
 @pytest.mark.parametrize("p, r", [(1e-9, 1e-3), (1e-3, 1e-2), (1e-12, 1e-4)])
 def test_lanczos_plan_satisfies_the_kw_bound(dim, p, r):

@@ -49,50 +49,91 @@ def lanczos_ritz_pair(gram: LinearMap, start: Tensor, m: int) -> tuple[Tensor, T
     return values[:, -1].clamp_min(0.0), ritz
 
 
-def lanczos_ritz_vectors(gram: LinearMap, start: Tensor, m: int,
-                         count: int) -> tuple[Tensor, Tensor]:
-    """The ``count`` largest Ritz values (B, count), in descending order, and their unit Ritz
-    vectors (B, count, N) after m Lanczos steps (see ``lanczos_ritz``): estimates of the top
-    eigenpairs (count <= m), for deflation. No guarantee attaches to them."""
-    tridiagonal, basis = _lanczos(gram, start, m)
-    values, vectors = torch.linalg.eigh(tridiagonal)
-    top = vectors[..., -count:].flip(-1)  # (B, m, count)
-    ritz = top.mT @ basis  # (B, count, N)
-    ritz = ritz / torch.linalg.vector_norm(ritz, dim=-1, keepdim=True).clamp_min(1e-300)
-    return values[..., -count:].flip(-1), ritz
+class LanczosRun:
+    """Lanczos steps (see ``lanczos_ritz``) on ``gram`` from ``start`` (B, N), up to
+    ``capacity`` of them, taken in stages: ``advance(m)`` continues the recurrence to m steps,
+    so a caller that needs more steps than it first thought (a deflation whose size depends on
+    the Ritz values) pays for the steps it takes, not for the most it might need. Each step
+    removes alpha_j q_j and beta_(j-1) q_(j-1) (the three-term recurrence), then
+    reorthogonalises against every earlier vector (``_reorthogonalise``). m steps taken in any
+    stages give the same numbers as m steps at once."""
 
+    def __init__(self, gram: LinearMap, start: Tensor, capacity: int) -> None:
+        batch, dim = start.shape
+        self.gram = gram
+        self.capacity = capacity
+        self.steps = 0
+        self._basis = start.new_zeros(batch, capacity, dim)
+        self._alpha = start.new_zeros(batch, capacity)
+        self._beta = start.new_zeros(batch, capacity)
+        self._scale = start.new_zeros(batch)  # running max ||A q_i|| <= lambda_max(A)
+        self._broken = torch.zeros(batch, dtype=torch.bool, device=start.device)
+        self._q = start
+        self._pending: Tensor | None = None  # A q_(steps-1), its residual not yet taken
 
-def _lanczos(gram: LinearMap, start: Tensor, m: int) -> tuple[Tensor, Tensor]:
-    """m Lanczos steps (see ``lanczos_ritz``): the tridiagonal matrices (B, m, m) and the bases
-    (B, m, N). Each step removes alpha_j q_j and beta_(j-1) q_(j-1) (the three-term
-    recurrence), then reorthogonalises against every earlier vector (``_reorthogonalise``)."""
-    batch, dim = start.shape
-    basis = start.new_zeros(batch, m, dim)
-    alpha = start.new_zeros(batch, m)
-    beta = start.new_zeros(batch, m)
-    scale = start.new_zeros(batch)  # running max ||A q_i|| <= lambda_max(A)
-    broken = torch.zeros(batch, dtype=torch.bool, device=start.device)
-    q = start
-    for j in range(m):
-        basis[:, j] = q
-        w = gram(q)
-        alpha[:, j] = (q * w).sum(dim=1)
-        scale = torch.maximum(scale, torch.linalg.vector_norm(w, dim=1))
-        if j == m - 1:
-            break
-        w = w - alpha[:, j, None] * q
+    def advance(self, m: int) -> None:
+        """Continue to m steps in all (at most ``capacity``; fewer than taken is an error)."""
+        if not self.steps <= m <= self.capacity:
+            raise ValueError(f"cannot advance a Lanczos run of {self.steps} steps (capacity "
+                             f"{self.capacity}) to {m}")
+        for j in range(self.steps, m):
+            if self._pending is not None:
+                self._next_vector(j - 1, self._pending)
+            self._basis[:, j] = self._q
+            w = self.gram(self._q)
+            self._alpha[:, j] = (self._q * w).sum(dim=1)
+            self._scale = torch.maximum(self._scale, torch.linalg.vector_norm(w, dim=1))
+            self._pending = w
+        self.steps = max(self.steps, m)
+
+    def _next_vector(self, j: int, w: Tensor) -> None:
+        """q_(j+1) from w = A q_j: the three-term step, reorthogonalisation and breakdown."""
+        w = w - self._alpha[:, j, None] * self._q
         if j > 0:
-            w = w - beta[:, j - 1, None] * basis[:, j - 1]
-        w, norm = _reorthogonalise(w, basis[:, : j + 1])
+            w = w - self._beta[:, j - 1, None] * self._basis[:, j - 1]
+        w, norm = _reorthogonalise(w, self._basis[:, : j + 1])
         # Breakdown: span(q_0..q_j) is an exact invariant subspace of A + E, ||E|| <= beta_j (the
         # recursion so far is that of A + E). Zero the sample's recursion: its later vectors are
         # 0, adding zero rows and columns to T, which keep its top eigenvalue (T is PSD).
-        broken = broken | (norm <= BREAKDOWN_TOL * scale)
-        beta[:, j] = torch.where(broken, 0.0, norm)
-        q = torch.where(broken[:, None], 0.0, w / torch.where(broken, 1.0, norm)[:, None])
-    tridiagonal = (torch.diag_embed(alpha) + torch.diag_embed(beta[:, :-1], offset=1)
-                   + torch.diag_embed(beta[:, :-1], offset=-1))
-    return tridiagonal, basis
+        self._broken = self._broken | (norm <= BREAKDOWN_TOL * self._scale)
+        self._beta[:, j] = torch.where(self._broken, 0.0, norm)
+        self._q = torch.where(self._broken[:, None], 0.0,
+                              w / torch.where(self._broken, 1.0, norm)[:, None])
+        self._pending = None
+
+    @property
+    def basis(self) -> Tensor:
+        """The Lanczos vectors so far (B, m, N)."""
+        return self._basis[:, : self.steps]
+
+    def tridiagonal(self) -> Tensor:
+        """The tridiagonal matrices (B, m, m) of the steps so far."""
+        m = self.steps
+        alpha, beta = self._alpha[:, :m], self._beta[:, : max(m - 1, 0)]
+        return (torch.diag_embed(alpha) + torch.diag_embed(beta, offset=1)
+                + torch.diag_embed(beta, offset=-1))
+
+    def ritz_values(self) -> Tensor:
+        """All Ritz values of the steps so far (B, m), descending."""
+        return torch.linalg.eigvalsh(self.tridiagonal()).flip(-1)
+
+    def ritz_pairs(self, count: int) -> tuple[Tensor, Tensor]:
+        """The ``count`` largest Ritz values (B, count), descending, and their unit Ritz
+        vectors (B, count, N) of the steps so far (count <= m): estimates of the top
+        eigenpairs, for deflation. No guarantee attaches to them."""
+        values, vectors = torch.linalg.eigh(self.tridiagonal())
+        top = vectors[..., -count:].flip(-1)  # (B, m, count)
+        ritz = top.mT @ self.basis  # (B, count, N)
+        ritz = ritz / torch.linalg.vector_norm(ritz, dim=-1, keepdim=True).clamp_min(1e-300)
+        return values[..., -count:].flip(-1), ritz
+
+
+def _lanczos(gram: LinearMap, start: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    """m Lanczos steps at once (``LanczosRun``): the tridiagonal matrices (B, m, m) and the
+    bases (B, m, N)."""
+    run = LanczosRun(gram, start, m)
+    run.advance(m)
+    return run.tridiagonal(), run.basis
 
 
 def _reorthogonalise(w: Tensor, previous: Tensor) -> tuple[Tensor, Tensor]:
