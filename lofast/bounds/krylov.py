@@ -35,18 +35,18 @@ def lanczos_ritz(gram: LinearMap, start: Tensor, m: int) -> Tensor:
     ((B, N) -> (B, N)) from the unit vectors ``start`` (B, N), with full reorthogonalisation
     (``_reorthogonalise``) and breakdown handling; at most lambda_max in exact arithmetic.
     Returns (B,)."""
-    tridiagonal, _ = _lanczos(gram, start, m)
-    return torch.linalg.eigvalsh(tridiagonal)[:, -1].clamp_min(0.0)
+    run = LanczosRun(gram, start, m)
+    run.advance(m)
+    return torch.linalg.eigvalsh(run.tridiagonal())[:, -1].clamp_min(0.0)
 
 
 def lanczos_ritz_pair(gram: LinearMap, start: Tensor, m: int) -> tuple[Tensor, Tensor]:
     """``lanczos_ritz`` and its Ritz vectors (B, N), unit (an estimate of the top eigenvector,
     for starting later iterations)."""
-    tridiagonal, basis = _lanczos(gram, start, m)
-    values, vectors = torch.linalg.eigh(tridiagonal)
-    ritz = (vectors[:, None, :, -1] @ basis)[:, 0]  # (B, N)
-    ritz = ritz / torch.linalg.vector_norm(ritz, dim=1, keepdim=True).clamp_min(1e-300)
-    return values[:, -1].clamp_min(0.0), ritz
+    run = LanczosRun(gram, start, m)
+    run.advance(m)
+    values, vectors = run.ritz_pairs(1)
+    return values[:, 0].clamp_min(0.0), vectors[:, 0]
 
 
 class LanczosRun:
@@ -126,14 +126,6 @@ class LanczosRun:
         ritz = top.mT @ self.basis  # (B, count, N)
         ritz = ritz / torch.linalg.vector_norm(ritz, dim=-1, keepdim=True).clamp_min(1e-300)
         return values[..., -count:].flip(-1), ritz
-
-
-def _lanczos(gram: LinearMap, start: Tensor, m: int) -> tuple[Tensor, Tensor]:
-    """m Lanczos steps at once (``LanczosRun``): the tridiagonal matrices (B, m, m) and the
-    bases (B, m, N)."""
-    run = LanczosRun(gram, start, m)
-    run.advance(m)
-    return run.tridiagonal(), run.basis
 
 
 def _reorthogonalise(w: Tensor, previous: Tensor) -> tuple[Tensor, Tensor]:
