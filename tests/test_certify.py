@@ -149,7 +149,9 @@ def test_the_jacobian_slack_trades_radius_for_proofs_and_stays_sound(
         monkeypatch.setattr(attention_norms, "verified_first_order_norm", unused)
         monkeypatch.setattr(attention_norms, "softmax_first_order_norm", unused)
         Certifier(model, CertifySettings()).certify(x, y)
-    assert (loose <= default).all() and (default <= tight).all()
+    # (where two settings take the same bound, the radii may differ in the last bit: the
+    # samples left to a strategy form other batches, whose products round otherwise)
+    assert (loose <= default * (1 + 1e-12)).all() and (default <= tight * (1 + 1e-12)).all()
     assert (loose < default).any() and (loose > 0).sum() >= 5
     inside = loose > 0
     broken = pgd_l2(copy.deepcopy(model).double(), x[inside].double(), y[inside],
