@@ -356,15 +356,15 @@ def jacobian_adjoint(Y: Tensor, data: JacobianData, softmax: bool) -> Tensor:
         # The score change G Wq_l (X Wk_l)^T + X Wq_l (G Wk_l)^T reads G through X Wk_l Wq_l^T
         # (by token m) and X Wq_l Wk_l^T (by token i). Its adjoint takes the softmax
         # Jacobian's output A_l[j, i, m] by token m (half 0) and transposed, A_l[j, m, i]
-        # (half 1).
-        scores = (mixed.view(batch * heads, dv, count * n).mT
-                  @ data.scaled_values.reshape(batch * heads, n, dv).mT
-                  ).view(batch, heads, count, n, n)  # [b, l, j, i, m]
+        # (half 1). The scores (Y Wo_l^T)_j (X Wv_l / s)^T enter it.
+        values = data.scaled_values.reshape(batch * heads, n, dv)
         if adjoint_by_projections(data):
             # (A_l X Wk_l) Wq_l^T and (A_l^T X Wq_l) Wk_l^T: the token sums against the
             # (n x dh) projections, then one product with inner dimension 2 h dh
             # (the first, sum_m A_l[j, i, m] (X Wk_l)_m, is C_li (Y Wo_l^T)_ji by the
             # covariances, with no scores)
+            scores = (mixed.view(batch * heads, dv, count * n).mT @ values.mT
+                      ).view(batch, heads, count, n, n)  # [b, l, j, i, m]
             row_softmax_jacobian(data.probs[:, :, None], scores, out=scores)
             by_token = scores.view(batch * heads, count, n, n)
             halves = torch.stack([
@@ -377,20 +377,24 @@ def jacobian_adjoint(Y: Tensor, data: JacobianData, softmax: bool) -> Tensor:
             out.baddbmm_(halves.reshape(batch, count * n, 2 * heads * dh),
                          weights.expand(batch, -1, -1))
             return out.view(batch, count, n, d)
-        # Otherwise one product with inner dimension 2 h n (fewer operations where h n <= n + d):
-        # its left factor [b, j, i, half, l, m] takes A_l[j, i, m] as half 0 (written there by
-        # the last elementwise step) and A_l[j, m, i] as half 1.
-        left = Y.new_empty(batch, count, n, 2, heads, n)
-        row_softmax_jacobian(data.probs[:, :, None], scores,
-                  out=left[:, :, :, 0].permute(0, 3, 1, 2, 4))  # [b, l, j, i, m]
-        left[:, :, :, 1] = left[:, :, :, 0].transpose(2, 4)
+        # Otherwise one product with inner dimension 2 h n (fewer operations where h n <= n + d).
+        # Its left factor is stored key-major, [b, half, l, m, (j, i)], and read transposed:
+        # half 0 holds A_l[j, i, m], half 1 A_l[j, m, i]. Key-major, the scores are one wide
+        # product a head (n rows by k n columns; query-major it would write rows of only n
+        # entries) and every elementwise step of the softmax Jacobian is contiguous.
+        left = Y.new_empty(batch, 2, heads, n, count, n)
+        scores = torch.bmm(values, mixed.view(batch * heads, dv, count * n)
+                           ).view(batch, heads, n, count, n)  # [b, l, m, j, i]
+        key_major = data.probs.transpose(-1, -2).contiguous()[:, :, :, None]  # [b, l, m, 1, i]
+        row_softmax_jacobian(key_major, scores, out=left[:, 0], dim=2)
+        left[:, 1] = left[:, 0].transpose(2, 4)
         # X Wk_l Wq_l^T and X Wq_l Wk_l^T: one product per head over all samples each
         # (broadcasting the weights over the samples would copy them once per sample)
         halves_right = [torch.bmm(tokens.transpose(0, 1).reshape(heads, batch * n, dh),
                                   weight.view(d, heads, dh).permute(1, 2, 0))
                         for tokens, weight in ((data.x_key, parts[1]), (data.x_query, parts[2]))]
         right = torch.stack(halves_right).view(2, heads, batch, n, d).permute(2, 0, 1, 3, 4)
-        out.baddbmm_(left.view(batch, count * n, 2 * heads * n),
+        out.baddbmm_(left.view(batch, 2 * heads * n, count * n).mT,
                      right.reshape(batch, 2 * heads * n, d))
     return out.view(batch, count, n, d)
 

@@ -166,13 +166,15 @@ def score_norm(x_score: Tensor, x_score_t: Tensor, method: SpectralMethod,
     return torch.cat(parts).reshape(batch, heads)
 
 
-def row_softmax_jacobian(probs: Tensor, E: Tensor, out: Tensor | None = None) -> Tensor:
+def row_softmax_jacobian(probs: Tensor, E: Tensor, out: Tensor | None = None,
+                         dim: int = -1) -> Tensor:
     """The row-wise softmax Jacobian diag(p) - p p^T (self-adjoint) applied to the rows of E,
-    for probabilities probs broadcastable to E's shape. E is overwritten as scratch; the
-    result goes to out (E itself, for no new memory, or a view of any strides), else to a new
-    tensor: the form torch.func.vmap batches (it has no batching rule for in-place addcmul)."""
+    for probabilities probs broadcastable to E's shape, a row running along ``dim`` (the last
+    by default; another for rows stored key-major). E is overwritten as scratch; the result
+    goes to out (E itself, for no new memory, or a view of any strides), else to a new tensor:
+    the form torch.func.vmap batches (it has no batching rule for in-place addcmul)."""
     weighted = E.mul_(probs)
-    rows = weighted.sum(dim=-1, keepdim=True)
+    rows = weighted.sum(dim=dim, keepdim=True)
     if out is None:
         return torch.addcmul(weighted, probs, rows, value=-1.0)
     return torch.addcmul(weighted, probs, rows, value=-1.0, out=out)
