@@ -211,6 +211,11 @@ def test_the_row_softmax_jacobian_in_place_out_of_place_and_under_vmap():
         warnings.simplefilter("error")
         batched = torch.func.vmap(lambda e: softmax_terms.row_softmax_jacobian(probs, e * 1.0))(E)
     torch.testing.assert_close(batched, reference)
+    # rows stored key-major (the adjoint's layout): the row runs along another dimension
+    key_major = E.transpose(-1, -2).contiguous()  # [.., h, r, m, i] for row i
+    out = torch.empty_like(key_major)
+    softmax_terms.row_softmax_jacobian(probs.transpose(-1, -2), key_major, out=out, dim=-2)
+    torch.testing.assert_close(out.transpose(-1, -2), reference)
 
 
 @pytest.mark.parametrize("n, d, h, dh", [(5, 16, 4, 4), (12, 8, 4, 6), (4, 16, 2, 8)],
