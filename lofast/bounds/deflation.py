@@ -250,9 +250,7 @@ def _top_ritz_pairs(gram: LinearMap, size: int, sizes: tuple[int, ...],
     run = LanczosRun(gram, fixed_unit_vector(size, device)[None], steps(candidates[-1]))
     for k in candidates:
         run.advance(steps(k))
-        if k == candidates[-1]:
-            break
-        if _past_the_gap(run.ritz_values()[0], k):
+        if k == candidates[-1] or _past_the_gap(run.ritz_values()[0], k):
             break
     values, vectors = run.ritz_pairs(min(k + 1, run.steps))
     return values[0], vectors[0], tuple(c for c in candidates if c <= k)
