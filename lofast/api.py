@@ -55,7 +55,7 @@ def certify(checkpoint: str | Path | LipschitzViT | None = None,
             attack: bool | AttackSettings = False, out: str | Path | None = None,
             resume: bool = False, shard: str | tuple[int, int] | None = None,
             attention_report: bool = False, classes_unchecked: bool = False,
-            progress: RunProgress | None = None) -> Certification:
+            verdicts_only: bool = False, progress: RunProgress | None = None) -> Certification:
     """Certify the first ``n`` samples (all when None) of ``data`` at every ``eps`` (l2 radii in
     [0, 1] pixel scale: numbers, or texts such as "36/255") with LoFAST.
 
@@ -68,7 +68,9 @@ def certify(checkpoint: str | Path | LipschitzViT | None = None,
     (True, or an ``AttackSettings``); out: a JSONL file of records, continued with resume;
     shard: part "I/N" of the samples; attention_report: also measure and ablate attention
     (``Certification.attention``); classes_unchecked: use data with a checkpoint whose
-    metadata names no classes (refused otherwise). Raises ``errors.ConfigError`` for an argument out of range
+    metadata names no classes (refused otherwise); verdicts_only: the per-sample proofs only
+    where a verdict at some eps needs them (the same certified accuracy, faster with live
+    attention; other radii may be smaller, each still certified). Raises ``errors.ConfigError`` for an argument out of range
     and other ``errors.LofastError`` for files and data, before any certification.
     Under torchrun every process must call it; process 0 returns the whole run, the others None.
     """
@@ -77,7 +79,7 @@ def certify(checkpoint: str | Path | LipschitzViT | None = None,
                            settings=settings, fallback=fallback,
                            fallback_timeout=fallback_timeout, attack=attack, out=out,
                            resume=resume, shard=shard, attention_report=attention_report,
-                           classes_unchecked=classes_unchecked)
+                           classes_unchecked=classes_unchecked, verdicts_only=verdicts_only)
     return run_certify(config, progress)
 
 

@@ -78,6 +78,29 @@ def test_api_takes_models_and_data_sets(one_thread, checkpoint, data_dir):
     assert len(lofast.load_data()) == 500  # the bundled sample
 
 
+def test_verdicts_only_runs_keep_the_verdicts_and_say_so(one_thread, checkpoint, data_dir):
+    """``verdicts_only`` (``lofast certify --verdicts-only``): the verdicts of a full run at
+    every eps, radii no larger, and the summary names the mode (a resumed run must match)."""
+    from click.testing import CliRunner
+
+    from lofast.cli.main import cli
+
+    eps = [0.05, 0.1]
+    full = lofast.certify(checkpoint, data_dir, eps=eps, n=8, dataset="folder")
+    fast = lofast.certify(checkpoint, data_dir, eps=eps, n=8, dataset="folder",
+                          verdicts_only=True)
+    assert fast.summary.certified_accuracy == full.summary.certified_accuracy
+    assert ([[c.certified for c in r.results.values()] for r in fast.records]
+            == [[c.certified for c in r.results.values()] for r in full.records])
+    assert all(f.radius <= t.radius * (1 + 1e-12) for f, t in zip(fast.records, full.records))
+    assert fast.summary.bound == full.summary.bound + ", radii for the verdicts up to eps 0.1"
+    result = CliRunner().invoke(cli, ["certify", "--checkpoint", str(checkpoint), "--data",
+                                      str(data_dir), "--dataset", "folder", "--n", "8",
+                                      "--eps", "0.1", "--verdicts-only", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "verdicts up to eps 0.1" in result.output
+
+
 def _out_of_memory_above(limit, monkeypatch):
     """Certifier.certify raising the allocator's error for batches above ``limit`` images
     (as CUDA's caching allocator does for a batch too large); returns the sizes asked for."""
@@ -221,6 +244,7 @@ BAD_ARGUMENTS = [
     {"settings": "exact"}, {"out": 3.5}, {"eps": torch.tensor(-0.05)},
     {"eps": torch.tensor(True)}, {"eps": numpy.float64(-1)}, {"eps": torch.tensor([0.05, 0.0])},
     {"data": 123}, {"data": b"/tmp"}, {"progress": 5}, {"progress": "bars"},
+    {"verdicts_only": "yes"}, {"eps": [0.05, 0.1], "settings": CertifySettings(verdicts_at=0.05)},
 ]
 
 

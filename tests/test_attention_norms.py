@@ -13,7 +13,13 @@ from test_bounds_near_reference import dense_norms, live_block, patterned_tokens
 
 from lofast.bounds import attention
 from lofast.bounds.attention import attention_sensitivity
-from lofast.bounds.attention_norms import STRATEGIES, DeflatedReference, NormBounds, merge
+from lofast.bounds.attention_norms import (
+    STRATEGIES,
+    DeflatedReference,
+    NormBounds,
+    attention_norms,
+    merge,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,6 +50,10 @@ CASES = [
 TIGHT = {"MethodFirstOrder": "zeta", "MethodSoftmax": "softmax", "CoordinateFirstOrder": "zeta"}
 
 
+# the product bound on ||D_X|| each traced driver started from (the driver tightens its own)
+SOFTMAX_STARTS: dict[int, torch.Tensor] = {}
+
+
 @functools.cache
 def traced(case: int):
     """Every strategy's candidate in the driver's order, the driver's own final bounds, the
@@ -53,10 +63,10 @@ def traced(case: int):
     captured = {}
     real = attention.attention_norms
 
-    def capture(block, softmax):
+    def capture(block, softmax, cheap=False):
         captured["block"], captured["softmax"] = block, softmax.clone()
         captured["random"] = block.generator.get_state()  # Lanczos draws its starts from it
-        return real(block, softmax)
+        return real(block, softmax, cheap)
 
     attention.attention_norms = capture
     try:
@@ -67,6 +77,7 @@ def traced(case: int):
         attention.attention_norms = real
     block = captured["block"]
     block.generator.set_state(captured["random"])
+    SOFTMAX_STARTS[case] = captured["softmax"].clone()
     bounds = NormBounds(zeta=torch.full((X.shape[0],), torch.inf, dtype=torch.float64),
                         softmax=captured["softmax"])
     candidates = []
@@ -91,6 +102,28 @@ def test_the_traced_loop_is_the_driver(case):
     assert torch.equal(bounds.zeta, final.zeta)
     assert torch.equal(bounds.softmax, final.softmax_first_order)
     assert (bounds.jacobian is None) == (final.jacobian is None)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[c[0] for c in CASES])
+def test_the_cheap_walk_defers_every_proof_and_never_bounds_below_the_full_one(case):
+    """Without its per-sample proofs the walk's bounds are no smaller than the full walk's,
+    the same where it defers none, and it defers every sample a proof ran on in the full walk
+    (the certifier's verdicts-only pass refines exactly those)."""
+    candidates, full, _, _, block = traced(case)
+    block.generator.set_state(torch.Generator().manual_seed(0).get_state())
+    cheap = attention_norms(block, SOFTMAX_STARTS[case].clone(), True)
+    proved = torch.zeros_like(cheap.deferred)
+    for name, candidate in candidates:
+        if any(type(s).__name__ == name and s.per_sample_proof for s in STRATEGIES):
+            proved |= candidate.rows
+    assert torch.equal(cheap.deferred & proved, proved)
+    for quantity in ("zeta", "softmax", "jacobian"):
+        tight, loose = getattr(full, quantity), getattr(cheap, quantity)
+        if tight is None:
+            continue
+        assert (loose >= tight).all(), quantity
+        kept = ~cheap.deferred
+        assert torch.equal(loose[kept], tight[kept]), quantity
 
 
 @pytest.mark.parametrize("strategy", sorted({type(s).__name__ for s in STRATEGIES}))

@@ -159,6 +159,57 @@ def test_the_jacobian_slack_trades_radius_for_proofs_and_stays_sound(
     assert not broken.any(), "PGD broke a certified sample"
 
 
+def test_verdicts_only_keeps_every_verdict_with_fewer_proofs(with_strong_spread_attention):
+    """``verdicts_at``: at every eps up to it, the same verdicts as the full certificate; every
+    radius between the cheap pass's (no per-sample proof) and the full one's, the full one's
+    on the samples refined; PGD breaks none of them (they are at most the full radii, which
+    ``test_certified_samples_survive_pgd`` attacks). The chosen eps splits the samples: some
+    certified by the cheap pass, some only by the proofs, some by neither."""
+    model, x, y = with_strong_spread_attention
+    full = Certifier(model, CertifySettings()).certify(x, y)
+    tight = full.radius()
+    cheap = Certifier(model, CertifySettings(verdicts_at=1e-12)).certify(x, y).radius()
+    at = float(cheap[cheap > 0].quantile(0.75))
+    fast = Certifier(model, CertifySettings(verdicts_at=at)).certify(x, y)
+    radius = fast.radius()
+    assert ((cheap < at) & (tight >= at)).any() and ((cheap >= at) & (tight > cheap)).any()
+    assert ((tight < at) & (tight > 0)).any()
+    eps = torch.tensor([at / 4, at / 2, at * (1 - 1e-9), at], dtype=torch.float64)
+    assert torch.equal(fast.certified(eps), full.certified(eps))
+    # the samples left to the proofs form other batches, whose products round otherwise
+    assert (cheap <= radius * (1 + 1e-12)).all() and (radius <= tight * (1 + 1e-12)).all()
+    refined = (cheap < at) & (cheap < tight * (1 - 1e-9))
+    assert refined.any() and torch.allclose(radius[refined], tight[refined], rtol=1e-9)
+    assert (radius[~refined] == cheap[~refined]).all() and (radius < tight * (1 - 1e-9)).any()
+    assert fast.guarantee is Guarantee.EXACT and fast.failure_probability == 0
+
+
+def test_verdicts_only_makes_no_second_pass_where_nothing_is_deferred(monkeypatch):
+    """The shipped default holds attention at its reference: no sample needs a per-sample
+    proof, so at an eps no sample reaches, the cheap pass alone is the certificate, every
+    radius the full one's."""
+    import lofast.certification.certificate as module
+
+    model = load_checkpoint(default_checkpoint_path())
+    x, y = load_bundled_sample().subset(range(16)).to_tensors()
+    full = Certifier(model, CertifySettings()).certify(x, y).radius()
+    real, passes = module.radius_maps, []
+    monkeypatch.setattr(module, "radius_maps",
+                        lambda *args: passes.append(args[2].cheap) or real(*args))
+    fast = Certifier(model, CertifySettings(verdicts_at=10.0)).certify(x, y)
+    assert passes == [True] and fast.bounded.any()
+    assert torch.equal(fast.radius(), full)
+
+
+@pytest.mark.parametrize("value", [-0.05, 0.0, float("nan"), float("inf"), True, "abc"])
+def test_verdicts_at_is_a_positive_radius(value):
+    with pytest.raises(CertificationError, match="verdicts_at"):
+        CertifySettings(verdicts_at=value)
+    assert CertifySettings(verdicts_at="36/255").verdicts_at == 36 / 255
+    assert "verdicts up to eps 0.05" in CertifySettings(verdicts_at=0.05).describe()
+    assert "verdicts" not in CertifySettings().describe()
+
+
 def live_block_of_65_tokens(depth=1):
     """A float64 model of ``depth`` 65-token blocks of width 48 (patch 4, 2 heads of 24) with
     position biases and strong live attention, six images and its own predictions as labels."""

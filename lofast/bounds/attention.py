@@ -169,6 +169,9 @@ class AttentionSensitivity:
     # change common to a row of scores, so every term that passes E_l through it may take the
     # centred change E_l C (score_sensitivity where not given; module docstring)
     centered_score_sensitivity: Tensor | None = None
+    # (B,) bool, from a cheap pass only (``attention_norms`` with cheap): the samples whose
+    # bounds a per-sample proof could tighten (None: every proof was made)
+    deferred: Tensor | None = None
 
     def delta(self, eps: Tensor) -> Tensor:
         """Bound on ||F(X') - F(X)||_F over ||X' - X||_F <= eps.
@@ -280,7 +283,8 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
                           first_order: str = "lofast", score_bound: str = "exact",
                           softmax_jacobian: bool = False,
                           method: SpectralMethod = DEFAULT_METHOD,
-                          generator: torch.Generator | None = None) -> AttentionSensitivity:
+                          generator: torch.Generator | None = None,
+                          cheap: bool = False) -> AttentionSensitivity:
     """The LoFAST quantities of one block at clean tokens X (B, n, d).
 
     first_order: "lofast" (zeta = ||T_X||, exact by Lemma 1) or "naive" (eq. 12:
@@ -292,7 +296,9 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
     The matrix-free norms ||T_X|| and ||M_l|| use ``method``; every explicit matrix norm
     (||X B_l||, ||A_l X^T||, ||X A_l||, ||P_l||, ||A_l||, ||B_l||) is a deterministic upper bound
     (``matrix_norm_upper``; the products of rank dh or dv by their factors,
-    ``head_product_norms``). The returned guarantee is the weakest involved.
+    ``head_product_norms``). The returned guarantee is the weakest involved. cheap: skip the
+    per-sample proofs (``attention_norms``): bounds as sound and no smaller, with the samples
+    they would have refined in ``deferred``.
     """
     if first_order not in ("lofast", "naive"):
         raise ValueError(f"first_order must be 'lofast' or 'naive', got {first_order!r}")
@@ -341,7 +347,7 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
                      x_value_out=x_value_out, score=score, value_weight_norm=value_weight_norm,
                      method=method, generator=generator, refine=softmax_jacobian,
                      first_order=first_order)
-    norms = attention_norms(block, softmax)
+    norms = attention_norms(block, softmax, cheap)
     zeta, softmax, jacobian = norms.zeta, norms.softmax, norms.jacobian
     matrix_free += (first_order == "lofast") + softmax_jacobian
     if block.near_reference and w.probabilistic_reference(method):
@@ -368,7 +374,8 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
                                 centered_value_norm=centered_product_norms(
                                     x_value, factors.behind_value, x_value_out),
                                 row_score_sensitivity=rows_score,
-                                centered_score_sensitivity=centered_score)
+                                centered_score_sensitivity=centered_score,
+                                deferred=norms.deferred)
 
 
 def centered_rows(M: Tensor) -> Tensor:

@@ -140,7 +140,8 @@ class NormBounds:
     zeta + softmax). loose (B,) bool: the samples the refining strategies still run on (None
     until the near-reference bounds are tested, and for methods that skip them); settled:
     zeta within the method's slack of its Rayleigh quotient; zeta_is_tight: zeta is in closed
-    form, within rounding of the exact norm."""
+    form, within rounding of the exact norm; deferred (B,) bool: the samples a per-sample proof
+    would have refined, had it run (``attention_norms`` with cheap; None otherwise)."""
 
     zeta: Tensor
     softmax: Tensor | None
@@ -148,6 +149,7 @@ class NormBounds:
     loose: Tensor | None = None
     settled: Tensor | None = None
     zeta_is_tight: bool = False
+    deferred: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -167,9 +169,11 @@ class NormStrategy:
     """One way to bound some of zeta, ||D_X|| and ||T_X + D_X||. The subclass docstring states
     the claim; ``bound`` returns values that hold it for every sample of ``rows``. A
     ``closed_form`` strategy's zeta is within rounding of the exact norm: the refining
-    strategies then leave zeta alone."""
+    strategies then leave zeta alone. A ``per_sample_proof`` strategy factors or deflates a
+    matrix of each sample it runs on: the costly refinements, which a cheap pass defers."""
 
     closed_form = False
+    per_sample_proof = False
 
     def applies(self, block: BlockAtX) -> bool:
         return True
@@ -280,6 +284,8 @@ class DeflatedReference(NormStrategy):
     the method's ``jacobian_slack`` (with the refinement) or its slack (without) of its
     Rayleigh-Ritz estimate."""
 
+    per_sample_proof = True
+
     def __init__(self, large: bool) -> None:
         self.large = large
 
@@ -332,6 +338,8 @@ class MethodFirstOrder(NormStrategy):
     matrix (``first_order.verified_first_order_norm``, which keeps a known bound within its
     slack); Lanczos, an upper bound with its probability; dense, exact; power, an estimate."""
 
+    per_sample_proof = True
+
     def applies(self, block):
         return block.lofast
 
@@ -359,6 +367,8 @@ class MethodSoftmax(NormStrategy):
     on the loose samples, or (methods without the near-reference start) where the product
     bound is not negligible next to zeta; with the near-reference start the Jacobian's bound
     then becomes at most zeta + zeta_s there."""
+
+    per_sample_proof = True
 
     def applies(self, block):
         return block.refine and not block.coordinate_jacobian
@@ -414,17 +424,29 @@ STRATEGIES: tuple[NormStrategy, ...] = (
 )
 
 
-def attention_norms(block: BlockAtX, softmax: Tensor | None) -> NormBounds:
+def attention_norms(block: BlockAtX, softmax: Tensor | None, cheap: bool = False) -> NormBounds:
     """zeta, zeta_s and the Jacobian's bound (B,) each for one block: the minimum over the
     strategies that apply. softmax: the product bound on ||D_X|| (None without the
-    refinement), tightened in place."""
+    refinement), tightened in place.
+
+    cheap: skip the ``per_sample_proof`` strategies, and mark ``deferred`` the samples each
+    would have run on. The bounds are as sound, and no smaller than the full walk's (which
+    takes the minimum over these strategies and more); on a sample that is not deferred they
+    are the full walk's exactly. Deferred rows are a superset of the full walk's: a strategy's
+    rows only shrink as the bounds tighten (the looseness a proof leaves is within the
+    looseness it found)."""
     bounds = NormBounds(zeta=torch.full_like(block.probs[:, 0, 0, 0], torch.inf),
                         softmax=softmax)
+    if cheap:
+        bounds.deferred = torch.zeros_like(bounds.zeta, dtype=torch.bool)
     for strategy in STRATEGIES:
         if not strategy.applies(block):
             continue
         rows = strategy.rows(block, bounds)
         if not bool(rows.any()):
+            continue
+        if cheap and strategy.per_sample_proof:
+            bounds.deferred |= rows
             continue
         merge(bounds, strategy.bound(block, bounds, rows))
         bounds.zeta_is_tight = bounds.zeta_is_tight or strategy.closed_form

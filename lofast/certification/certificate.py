@@ -20,7 +20,13 @@ from lofast.bounds.attention_spec import (
     AttentionSpec,
     reference_norms,
 )
-from lofast.bounds.compose import RadiusMap, certified_radius, head_certified, propagate
+from lofast.bounds.compose import (
+    RadiusMap,
+    RowSplit,
+    certified_radius,
+    head_certified,
+    propagate,
+)
 from lofast.bounds.spectral import (
     JACOBIAN_SLACK,
     Guarantee,
@@ -39,8 +45,9 @@ from lofast.config import (
     Bound,
     check_flags,
     check_int,
+    parse_radius,
 )
-from lofast.errors import CertificationError
+from lofast.errors import CertificationError, ConfigError
 from lofast.models.vit import LipschitzViT
 
 # Each bound's first-order term and score term; "lofast" is the paper's practical bound
@@ -88,6 +95,11 @@ class CertifySettings:
     attention block's Jacobian may lie before per-sample proofs are made; None keeps the
     method's (by default 0.01). automatic: set by ``for_model`` when "auto" chose the
     guarantee, the reason in words.
+
+    verdicts_at: a radius > 0 for verdicts-only certificates (``Certifier.certify``): at every
+    eps up to it, a sample is certified exactly when the full certificate certifies it, but
+    the per-sample proofs run only for the samples whose verdict needs them, so other radii
+    may be smaller (each still certified). None: every radius as large as the bounds allow.
     """
 
     bound: Bound = CERTIFY_DEFAULTS.bound
@@ -99,6 +111,7 @@ class CertifySettings:
     seed: int = CERTIFY_DEFAULTS.seed
     jacobian_slack: float | None = None
     automatic: str | None = None
+    verdicts_at: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bound", Bound.parse("bound", self.bound, CertificationError))
@@ -107,6 +120,12 @@ class CertifySettings:
         check_flags(self, ("local_projection", "softmax_jacobian"), CertificationError)
         object.__setattr__(self, "seed", check_int("seed", self.seed, 0, MAX_SEED,
                                                    CertificationError))
+        if self.verdicts_at is not None:
+            try:
+                object.__setattr__(self, "verdicts_at", parse_radius(self.verdicts_at,
+                                                                     "verdicts_at"))
+            except ConfigError as error:
+                raise CertificationError(str(error)) from None
         if self.guarantee is not None and self.guarantee not in GUARANTEE_CHOICES:
             raise CertificationError(f"unknown guarantee {self.guarantee!r}; choose from "
                                      f"{', '.join(GUARANTEE_CHOICES)}")
@@ -149,6 +168,8 @@ class CertifySettings:
                  else self.jacobian_slack if self.jacobian_slack is not None else JACOBIAN_SLACK)
         if slack != JACOBIAN_SLACK:
             name += f", Jacobian slack {slack:g}"
+        if self.verdicts_at is not None:
+            name += f", radii for the verdicts up to eps {self.verdicts_at:g}"
         return name
 
 
@@ -212,10 +233,14 @@ class BatchCertificate:
 
 class VerifiedNorms:
     """The certificate's ``bounds.stage.StageRules``: sound float64 upper bounds (or, with a
-    weaker guarantee, the method's norms); per-model quantities computed once."""
+    weaker guarantee, the method's norms); per-model quantities computed once. cheap: without
+    the attention blocks' per-sample proofs (``attention_sensitivity``), each block's samples
+    that a proof could tighten in its ``deferred``."""
 
-    def __init__(self, settings: CertifySettings, generator: torch.Generator) -> None:
+    def __init__(self, settings: CertifySettings, generator: torch.Generator,
+                 cheap: bool = False) -> None:
         self.settings = settings
+        self.cheap = cheap
         self.local_projection = settings.local_projection
         self.generator = generator
         self.embedding_norms: dict[int, float] = {}
@@ -238,7 +263,7 @@ class VerifiedNorms:
         return attention_sensitivity(
             tokens, spec, kappa=self.settings.kappa, first_order=first_order,
             score_bound=score_bound, softmax_jacobian=self.settings.softmax_jacobian,
-            method=self.settings.method, generator=self.generator)
+            method=self.settings.method, generator=self.generator, cheap=self.cheap)
 
 
 class Certifier:
@@ -266,8 +291,9 @@ class Certifier:
             raise CertificationError("model must start with a patch embedding and end with a head")
         for i, spec in enumerate(self.structure):
             spec.check(i)
-        self.norms = VerifiedNorms(self.settings,
-                                   torch.Generator(device=self.device).manual_seed(self.settings.seed))
+        generator = torch.Generator(device=self.device).manual_seed(self.settings.seed)
+        self.norms = VerifiedNorms(self.settings, generator)
+        self.cheap_norms = VerifiedNorms(self.settings, generator, cheap=True)
 
     @torch.no_grad()
     def certify(self, images: Tensor, labels: Tensor) -> BatchCertificate:
@@ -290,22 +316,52 @@ class Certifier:
         # the bounds only for samples a radius can certify: the per-sample work of a model
         # that gets half the test set wrong halves
         bounded = (margins > 0).all(dim=1)
-        steps = []
-        if bool(bounded.any()):
-            self.norms.prepare(self.structure)
-            steps = radius_maps(self.structure, activations if bool(bounded.all())
-                                else [a[bounded] for a in activations], self.norms)
-        attention = [step for step in steps if isinstance(step, AttentionSensitivity)]
-        guarantee = weakest_guarantee(*(step.guarantee for step in attention))
-        failure = sum(step.failure_probability for step in attention)
         head: HeadSpec = self.structure[-1]
         pair_norms = head.pair_norms(labels)
+        steps, guarantee, failure = [], Guarantee.EXACT, 0.0
+        if bool(bounded.any()):
+            self.norms.prepare(self.structure)
+            steps, guarantee, failure = self._radius_maps(
+                activations if bool(bounded.all()) else [a[bounded] for a in activations],
+                margins[bounded], pair_norms[bounded])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return BatchCertificate(labels=labels, predictions=logits.argmax(dim=1), margins=margins,
                                 pair_norms=pair_norms, bounded=bounded, steps=steps,
                                 guarantee=guarantee, failure_probability=failure,
                                 seconds=time.perf_counter() - started)
+
+    def _radius_maps(self, activations: list[Tensor], margins: Tensor, pair_norms: Tensor,
+                     ) -> tuple[list[RadiusMap], Guarantee, float]:
+        """The radius maps of samples that all get bounds (activations, margins and pair norms
+        of those samples alone), their weakest guarantee and per-sample failure probability.
+
+        With ``settings.verdicts_at``, two passes: the cheap one (no per-sample proofs) on all
+        samples, then the full one on the samples it leaves uncertified at verdicts_at and
+        whose bounds a proof could tighten; each sample keeps its last pass's maps
+        (``compose.RowSplit``). The cheap pass's bounds are no tighter than the full pass's,
+        and the same where no proof was deferred, so a sample certified at some eps <=
+        verdicts_at by one certificate is certified there by the other. Each sample's certificate comes from one
+        pass: the weaker guarantee and the larger failure probability hold for all."""
+        verdicts_at = self.settings.verdicts_at
+        if verdicts_at is None:
+            steps = radius_maps(self.structure, activations, self.norms)
+            return steps, *_guarantee_of(steps)
+        steps = radius_maps(self.structure, activations, self.cheap_norms)
+        guarantee, failure = _guarantee_of(steps)
+        deferred = torch.zeros_like(margins[:, 0], dtype=torch.bool)
+        for step in steps:
+            if isinstance(step, AttentionSensitivity) and step.deferred is not None:
+                deferred |= step.deferred
+        eps = margins.new_full((len(margins), 1), verdicts_at)
+        refine = deferred & ~head_certified(margins, pair_norms, propagate(steps, eps))[:, 0]
+        if bool(refine.any()):
+            refined = radius_maps(self.structure, [a[refine] for a in activations], self.norms)
+            refined_guarantee, refined_failure = _guarantee_of(refined)
+            steps = [RowSplit(base, better, refine) for base, better in zip(steps, refined)]
+            guarantee = weakest_guarantee(guarantee, refined_guarantee)
+            failure = max(failure, refined_failure)
+        return steps, guarantee, failure
 
     def make_proofs(self, images: Tensor, labels: Tensor) -> bool:
         """Make the once-per-model proofs that these samples need by certifying them, the
@@ -342,3 +398,11 @@ class Certifier:
                                      f"not {got}")
         if bool(((labels < 0) | (labels >= config.num_classes)).any()):
             raise CertificationError(f"labels must lie in 0 .. {config.num_classes - 1}")
+
+
+def _guarantee_of(steps: list[RadiusMap]) -> tuple[Guarantee, float]:
+    """The weakest guarantee of the attention blocks' maps, and the per-sample failure
+    probability: a union bound over the blocks."""
+    attention = [step for step in steps if isinstance(step, AttentionSensitivity)]
+    return (weakest_guarantee(*(step.guarantee for step in attention)),
+            sum(step.failure_probability for step in attention))

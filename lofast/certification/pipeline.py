@@ -9,6 +9,7 @@ repeats any of it, and nothing here prints.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -81,6 +82,7 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
     if config.settings is not None and not isinstance(config.settings, CertifySettings):
         raise ConfigError(f"settings must be a CertifySettings, not "
                           f"{type(config.settings).__name__}")
+    requested = verdict_settings(config)
     if config.data is not None and not isinstance(config.data, (Path, ImageDataset)):
         raise ConfigError(f"data must be a path, an ImageDataset or None, not "
                           f"{type(config.data).__name__}")
@@ -106,7 +108,7 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
     batch_size = config.batch_size or default_batch_size(device, model.config.num_tokens)
     data, order = load_samples(model, metadata, config.data, config.dataset, config.split,
                                config.limit, config.classes_unchecked)
-    certifier = Certifier(model, config.settings, device)
+    certifier = Certifier(model, requested, device)
     settings = certifier.settings  # "auto" resolved for the model
     run = run_settings(digest, data, config.split, settings, config.fallback or "none",
                        config.fallback_timeout, config.attack)
@@ -374,6 +376,20 @@ def load_samples(model: nn.Module, metadata: dict, data: object, dataset: str | 
         data = load_dataset(data, split, dataset)
     check_data_fits(model, metadata, data, classes_unchecked)
     return data, class_balanced_order(data.labels)[:limit]
+
+
+def verdict_settings(config: CertifyConfig) -> CertifySettings | None:
+    """The run's certifier settings: with ``verdicts_only``, its ``verdicts_at`` the largest
+    eps. ConfigError for a ``verdicts_at`` below it: there the verdicts could be smaller than
+    the full certificate's."""
+    settings, largest = config.settings, max(config.eps)
+    if config.verdicts_only:
+        return dataclasses.replace(settings or CertifySettings(), verdicts_at=largest)
+    if settings is not None and settings.verdicts_at is not None \
+            and settings.verdicts_at < largest:
+        raise ConfigError(f"verdicts_at {settings.verdicts_at:g} is below the largest eps "
+                          f"{largest:g}; raise it, or pass verdicts_only")
+    return settings
 
 
 def run_settings(checkpoint_digest: str, data: object, split: str, settings: CertifySettings,

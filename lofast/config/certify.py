@@ -181,7 +181,10 @@ class CertifyConfig:
     class-balanced order (None: all); settings: a ``certificate.CertifySettings`` (None: the
     defaults; its type is checked by the driver, which owns the certifier);
     fallback: one of FALLBACKS or None; attack: an ``AttackSettings`` (True: the defaults) or
-    None; out: the JSONL record file (resume continues it); shard: (I, N) or "I/N".
+    None; out: the JSONL record file (resume continues it); shard: (I, N) or "I/N";
+    verdicts_only: certificates whose verdicts at every eps are the full certificate's, with
+    the per-sample proofs only where a verdict needs them (the settings' ``verdicts_at`` set
+    to the largest eps; other radii may be smaller, each still certified).
     """
 
     eps: Any
@@ -201,6 +204,7 @@ class CertifyConfig:
     shard: Any = None
     attention_report: bool = False
     classes_unchecked: bool = False  # a checkpoint that names no classes: take the data's
+    verdicts_only: bool = False
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)  # frozen: normalised once, here
@@ -235,7 +239,8 @@ class CertifyConfig:
             raise ConfigError(f"attack must be True, False or an AttackSettings, not "
                               f"{self.attack!r}")
         set_("out", _optional_path("out", self.out))
-        check_flags(self, ("resume", "attention_report", "classes_unchecked"), ConfigError)
+        check_flags(self, ("resume", "attention_report", "classes_unchecked", "verdicts_only"),
+                    ConfigError)
         if self.resume and self.out is None:
             raise ConfigError("--resume needs --out, the file to continue")
         set_("shard", parse_shard(self.shard))
