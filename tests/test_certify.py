@@ -184,21 +184,22 @@ def test_verdicts_only_keeps_every_verdict_with_fewer_proofs(with_strong_spread_
     assert fast.guarantee is Guarantee.EXACT and fast.failure_probability == 0
 
 
-def test_verdicts_only_makes_no_second_pass_where_nothing_is_deferred(monkeypatch):
+def test_verdicts_only_makes_no_proof_where_nothing_is_deferred(monkeypatch):
     """The shipped default holds attention at its reference: no sample needs a per-sample
-    proof, so at an eps no sample reaches, the cheap pass alone is the certificate, every
+    proof, so even at an eps no sample reaches the cheap walk is the certificate, every
     radius the full one's."""
-    import lofast.certification.certificate as module
+    from lofast.bounds.attention_norms import DeferredProofs
 
     model = load_checkpoint(default_checkpoint_path())
     x, y = load_bundled_sample().subset(range(16)).to_tensors()
     full = Certifier(model, CertifySettings()).certify(x, y).radius()
-    real, passes = module.radius_maps, []
-    monkeypatch.setattr(module, "radius_maps",
-                        lambda *args: passes.append(args[2].cheap) or real(*args))
+
+    def unused(*args):
+        raise AssertionError("a deferred proof was made")
+
+    monkeypatch.setattr(DeferredProofs, "make", unused)
     fast = Certifier(model, CertifySettings(verdicts_at=10.0)).certify(x, y)
-    assert passes == [True] and fast.bounded.any()
-    assert torch.equal(fast.radius(), full)
+    assert fast.bounded.any() and torch.equal(fast.radius(), full)
 
 
 @pytest.mark.parametrize("value", [-0.05, 0.0, float("nan"), float("inf"), True, "abc"])

@@ -102,13 +102,14 @@ evaluates the bound for any radii.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from lofast.bounds.attention_norms import BlockAtX, attention_norms
+from lofast.bounds.attention_norms import BlockAtX, DeferredProofs, attention_norms
 from lofast.bounds.attention_spec import AttentionSpec, product_factors
 from lofast.bounds.first_order import as_float64, mix_heads
 from lofast.bounds.softmax_terms import probabilities_from_projections, score_norm
@@ -169,9 +170,30 @@ class AttentionSensitivity:
     # change common to a row of scores, so every term that passes E_l through it may take the
     # centred change E_l C (score_sensitivity where not given; module docstring)
     centered_score_sensitivity: Tensor | None = None
-    # (B,) bool, from a cheap pass only (``attention_norms`` with cheap): the samples whose
-    # bounds a per-sample proof could tighten (None: every proof was made)
-    deferred: Tensor | None = None
+    # from a cheap pass only (``attention_norms`` with cheap): the per-sample proofs skipped,
+    # for ``with_proofs`` (None: every proof was made, or none was wanted)
+    deferred: DeferredProofs | None = None
+
+    def with_proofs(self, rows: Tensor) -> AttentionSensitivity:
+        """These quantities with the deferred proofs made for the samples rows (B,) bool (those
+        of them a proof would run on): on those samples the full walk's bounds (no larger than
+        the cheap ones, the minimum taken), elsewhere unchanged; ``deferred`` dropped. The
+        guarantee and failure probability already count the proofs' norms."""
+        if self.deferred is None:
+            return self
+        rows = rows & self.deferred.rows
+        changes: dict[str, Tensor | None] = {"deferred": None}
+        if bool(rows.any()):
+            norms = self.deferred.make(rows)
+            for name, value in (("zeta", norms.zeta), ("softmax_first_order", norms.softmax),
+                                ("jacobian", norms.jacobian)):
+                current = getattr(self, name)
+                if value is None or current is None:  # only a bound both walks made
+                    continue
+                current = current.clone()
+                current[rows] = torch.minimum(current[rows], value)
+                changes[name] = current
+        return dataclasses.replace(self, **changes)
 
     def delta(self, eps: Tensor) -> Tensor:
         """Bound on ||F(X') - F(X)||_F over ||X' - X||_F <= eps.
@@ -298,7 +320,7 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
     (``matrix_norm_upper``; the products of rank dh or dv by their factors,
     ``head_product_norms``). The returned guarantee is the weakest involved. cheap: skip the
     per-sample proofs (``attention_norms``): bounds as sound and no smaller, with the samples
-    they would have refined in ``deferred``.
+    they would have refined, and the means to make them, in ``deferred``.
     """
     if first_order not in ("lofast", "naive"):
         raise ValueError(f"first_order must be 'lofast' or 'naive', got {first_order!r}")
@@ -347,7 +369,10 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
                      x_value_out=x_value_out, score=score, value_weight_norm=value_weight_norm,
                      method=method, generator=generator, refine=softmax_jacobian,
                      first_order=first_order)
+    start = softmax.clone() if cheap and softmax is not None else None  # tightened in place
     norms = attention_norms(block, softmax, cheap)
+    deferred = (DeferredProofs(block, start, norms.deferred)
+                if cheap and bool(norms.deferred.any()) else None)
     zeta, softmax, jacobian = norms.zeta, norms.softmax, norms.jacobian
     matrix_free += (first_order == "lofast") + softmax_jacobian
     if block.near_reference and w.probabilistic_reference(method):
@@ -375,7 +400,7 @@ def attention_sensitivity(X: Tensor, w: AttentionSpec, *, kappa: float = 0.5,
                                     x_value, factors.behind_value, x_value_out),
                                 row_score_sensitivity=rows_score,
                                 centered_score_sensitivity=centered_score,
-                                deferred=norms.deferred)
+                                deferred=deferred)
 
 
 def centered_rows(M: Tensor) -> Tensor:

@@ -21,6 +21,7 @@ and Lanczos methods start from the near-reference bounds and their looseness tes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -79,6 +80,14 @@ class BlockAtX:
     generator: torch.Generator | None
     refine: bool
     first_order: str = "lofast"
+
+    def subset(self, rows: Tensor) -> BlockAtX:
+        """The same block at the samples rows (B,) bool alone (its cached per-batch
+        quantities made again, for those samples)."""
+        return dataclasses.replace(
+            self, X=self.X[rows], probs=self.probs[rows], x_query=self.x_query[rows],
+            x_key=self.x_key[rows], x_value=self.x_value[rows],
+            x_value_out=self.x_value_out[rows], score=self.score[rows])
 
     @property
     def lofast(self) -> bool:
@@ -451,6 +460,24 @@ def attention_norms(block: BlockAtX, softmax: Tensor | None, cheap: bool = False
         merge(bounds, strategy.bound(block, bounds, rows))
         bounds.zeta_is_tight = bounds.zeta_is_tight or strategy.closed_form
     return bounds
+
+
+@dataclass
+class DeferredProofs:
+    """The per-sample proofs a cheap walk (``attention_norms`` with cheap) skipped, ready to
+    be made for some of its samples: the block, the product bound on ||D_X|| the walk started
+    from (None without the refinement), and rows (B,) bool, the samples they would run on.
+    Holds the batch's per-sample products until dropped."""
+
+    block: BlockAtX
+    softmax: Tensor | None
+    rows: Tensor
+
+    def make(self, rows: Tensor) -> NormBounds:
+        """The full walk's bounds for the samples rows (B,) bool, (rows.sum(),) each: the
+        minimum over every strategy, proofs included, as if those samples were the batch."""
+        softmax = None if self.softmax is None else self.softmax[rows].clone()
+        return attention_norms(self.block.subset(rows), softmax)
 
 
 def merge(bounds: NormBounds, candidate: Candidate) -> None:

@@ -69,23 +69,6 @@ class ProjectionStep:
         return eps * factor
 
 
-@dataclass(frozen=True)
-class RowSplit:
-    """One stage's map from two passes over the same samples: ``refined`` on the samples
-    ``rows`` (B,) bool (its per-sample quantities have ``rows.sum()`` rows, in batch order),
-    ``base`` on all B. Each is a sound bound for its samples, so the split is too; it stays
-    nondecreasing in eps row by row."""
-
-    base: RadiusMap
-    refined: RadiusMap
-    rows: Tensor
-
-    def delta(self, eps: Tensor) -> Tensor:
-        out = self.base.delta(eps).clone()
-        out[self.rows] = self.refined.delta(eps[self.rows])
-        return out
-
-
 def propagate(steps: Sequence[RadiusMap], eps: Tensor) -> Tensor:
     """Radius after all steps, (B, E) -> (B, E)."""
     for step in steps:

@@ -20,13 +20,7 @@ from lofast.bounds.attention_spec import (
     AttentionSpec,
     reference_norms,
 )
-from lofast.bounds.compose import (
-    RadiusMap,
-    RowSplit,
-    certified_radius,
-    head_certified,
-    propagate,
-)
+from lofast.bounds.compose import RadiusMap, certified_radius, head_certified, propagate
 from lofast.bounds.spectral import (
     JACOBIAN_SLACK,
     Guarantee,
@@ -336,32 +330,26 @@ class Certifier:
         """The radius maps of samples that all get bounds (activations, margins and pair norms
         of those samples alone), their weakest guarantee and per-sample failure probability.
 
-        With ``settings.verdicts_at``, two passes: the cheap one (no per-sample proofs) on all
-        samples, then the full one on the samples it leaves uncertified at verdicts_at and
-        whose bounds a proof could tighten; each sample keeps its last pass's maps
-        (``compose.RowSplit``). The cheap pass's bounds are no tighter than the full pass's,
-        and the same where no proof was deferred, so a sample certified at some eps <=
-        verdicts_at by one certificate is certified there by the other. Each sample's certificate comes from one
-        pass: the weaker guarantee and the larger failure probability hold for all."""
-        verdicts_at = self.settings.verdicts_at
-        if verdicts_at is None:
+        With ``settings.verdicts_at``, the walk skips the attention blocks' per-sample proofs;
+        then they are made (``AttentionSensitivity.with_proofs``) for the samples it leaves
+        uncertified at verdicts_at. The cheap bounds are no tighter than the full walk's, and
+        the same where no proof was deferred, so a sample certified at some eps <= verdicts_at
+        by one certificate is certified there by the other."""
+        if self.settings.verdicts_at is None:
             steps = radius_maps(self.structure, activations, self.norms)
-            return steps, *_guarantee_of(steps)
-        steps = radius_maps(self.structure, activations, self.cheap_norms)
-        guarantee, failure = _guarantee_of(steps)
-        deferred = torch.zeros_like(margins[:, 0], dtype=torch.bool)
-        for step in steps:
-            if isinstance(step, AttentionSensitivity) and step.deferred is not None:
-                deferred |= step.deferred
-        eps = margins.new_full((len(margins), 1), verdicts_at)
-        refine = deferred & ~head_certified(margins, pair_norms, propagate(steps, eps))[:, 0]
-        if bool(refine.any()):
-            refined = radius_maps(self.structure, [a[refine] for a in activations], self.norms)
-            refined_guarantee, refined_failure = _guarantee_of(refined)
-            steps = [RowSplit(base, better, refine) for base, better in zip(steps, refined)]
-            guarantee = weakest_guarantee(guarantee, refined_guarantee)
-            failure = max(failure, refined_failure)
-        return steps, guarantee, failure
+        else:
+            steps = radius_maps(self.structure, activations, self.cheap_norms)
+            deferred = torch.zeros_like(margins[:, 0], dtype=torch.bool)
+            for step in steps:
+                if isinstance(step, AttentionSensitivity) and step.deferred is not None:
+                    deferred |= step.deferred.rows
+            eps = margins.new_full((len(margins), 1), self.settings.verdicts_at)
+            refine = deferred & ~head_certified(margins, pair_norms, propagate(steps, eps))[:, 0]
+            steps = [step.with_proofs(refine) if isinstance(step, AttentionSensitivity) else step
+                     for step in steps]
+        attention = [step for step in steps if isinstance(step, AttentionSensitivity)]
+        return (steps, weakest_guarantee(*(step.guarantee for step in attention)),
+                sum(step.failure_probability for step in attention))
 
     def make_proofs(self, images: Tensor, labels: Tensor) -> bool:
         """Make the once-per-model proofs that these samples need by certifying them, the
@@ -399,10 +387,3 @@ class Certifier:
         if bool(((labels < 0) | (labels >= config.num_classes)).any()):
             raise CertificationError(f"labels must lie in 0 .. {config.num_classes - 1}")
 
-
-def _guarantee_of(steps: list[RadiusMap]) -> tuple[Guarantee, float]:
-    """The weakest guarantee of the attention blocks' maps, and the per-sample failure
-    probability: a union bound over the blocks."""
-    attention = [step for step in steps if isinstance(step, AttentionSensitivity)]
-    return (weakest_guarantee(*(step.guarantee for step in attention)),
-            sum(step.failure_probability for step in attention))
