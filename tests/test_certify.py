@@ -182,6 +182,10 @@ def test_verdicts_only_keeps_every_verdict_with_fewer_proofs(with_strong_spread_
     assert refined.any() and torch.allclose(radius[refined], tight[refined], rtol=1e-9)
     assert (radius[~refined] == cheap[~refined]).all() and (radius < tight * (1 - 1e-9)).any()
     assert fast.guarantee is Guarantee.EXACT and fast.failure_probability == 0
+    inside = radius > 0
+    broken = pgd_l2(copy.deepcopy(model).double(), x[inside].double(), y[inside],
+                    radius[inside] * 0.999, steps=50, restarts=3)
+    assert not broken.any(), "PGD broke a verdicts-only certificate"
 
 
 def test_verdicts_only_makes_no_proof_where_nothing_is_deferred(monkeypatch):

@@ -286,8 +286,9 @@ class Certifier:
         for i, spec in enumerate(self.structure):
             spec.check(i)
         generator = torch.Generator(device=self.device).manual_seed(self.settings.seed)
-        self.norms = VerifiedNorms(self.settings, generator)
-        self.cheap_norms = VerifiedNorms(self.settings, generator, cheap=True)
+        # verdicts only: the walk defers the per-sample proofs, ``_radius_maps`` makes them
+        self.norms = VerifiedNorms(self.settings, generator,
+                                   cheap=self.settings.verdicts_at is not None)
 
     @torch.no_grad()
     def certify(self, images: Tensor, labels: Tensor) -> BatchCertificate:
@@ -335,10 +336,8 @@ class Certifier:
         uncertified at verdicts_at. The cheap bounds are no tighter than the full walk's, and
         the same where no proof was deferred, so a sample certified at some eps <= verdicts_at
         by one certificate is certified there by the other."""
-        if self.settings.verdicts_at is None:
-            steps = radius_maps(self.structure, activations, self.norms)
-        else:
-            steps = radius_maps(self.structure, activations, self.cheap_norms)
+        steps = radius_maps(self.structure, activations, self.norms)
+        if self.settings.verdicts_at is not None:
             deferred = torch.zeros_like(margins[:, 0], dtype=torch.bool)
             for step in steps:
                 if isinstance(step, AttentionSensitivity) and step.deferred is not None:
