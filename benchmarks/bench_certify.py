@@ -53,7 +53,7 @@ from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.spectral import SpectralMethod
 from lofast.certification.certificate import BOUND_TERMS, Certifier, CertifySettings
 from lofast.checkpoint import checkpoint_path, load_checkpoint
-from lofast.config import parse_radius
+from lofast.config import parse_radii
 from lofast.data.sample import class_balanced_order, load_bundled_sample
 from lofast.errors import LofastError
 from lofast.runtime import device_name, resolve_device
@@ -132,10 +132,10 @@ def main() -> None:
                              "is reported, with the range: a shared host's speed varies)")
     parser.add_argument("--jacobian-slack", type=float, default=None,
                         help="the certifier's jacobian_slack (lofast certify --jacobian-slack)")
-    parser.add_argument("--verdicts-at", default=None, metavar="EPS",
-                        help="verdicts-only certificates up to this eps (lofast certify "
-                             "--verdicts-only): e.g. 36/255, the largest eps --live-attention "
-                             "reports")
+    parser.add_argument("--verdicts-at", default=None, metavar="EPS[,EPS...]",
+                        help="verdicts-only certificates at these eps (lofast certify "
+                             "--verdicts-only): e.g. 0.02,0.05,0.1,36/255, the eps "
+                             "--live-attention reports")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="then profile one certification of the first batch: print the "
                              "ROWS operators with the most self time (device time on a GPU), "
@@ -153,7 +153,8 @@ def main() -> None:
     x, y = data.subset(class_balanced_order(data.labels)[: args.n]).to_tensors()
     slack = {} if args.jacobian_slack is None else {"jacobian_slack": args.jacobian_slack}
     try:
-        verdicts_at = None if args.verdicts_at is None else parse_radius(args.verdicts_at)
+        verdicts_at = (None if args.verdicts_at is None
+                       else parse_radii(args.verdicts_at.split(","), "--verdicts-at"))
         settings = CertifySettings(method=SpectralMethod(kind=KINDS[args.guarantee], **slack),
                                    verdicts_at=verdicts_at)
     except (ValueError, LofastError) as error:

@@ -93,12 +93,13 @@ def test_verdicts_only_runs_keep_the_verdicts_and_say_so(one_thread, checkpoint,
     assert ([[c.certified for c in r.results.values()] for r in fast.records]
             == [[c.certified for c in r.results.values()] for r in full.records])
     assert all(f.radius <= t.radius * (1 + 1e-12) for f, t in zip(fast.records, full.records))
-    assert fast.summary.bound == full.summary.bound + ", radii for the verdicts up to eps 0.1"
+    assert fast.summary.bound == (full.summary.bound
+                                  + ", radii for the verdicts at eps 0.05, 0.1")
     result = CliRunner().invoke(cli, ["certify", "--checkpoint", str(checkpoint), "--data",
                                       str(data_dir), "--dataset", "folder", "--n", "8",
                                       "--eps", "0.1", "--verdicts-only", "--json"])
     assert result.exit_code == 0, result.output
-    assert "verdicts up to eps 0.1" in result.output
+    assert "verdicts at eps 0.1" in result.output
 
 
 def _out_of_memory_above(limit, monkeypatch):

@@ -195,6 +195,29 @@ class AttentionSensitivity:
                 changes[name] = current
         return dataclasses.replace(self, **changes)
 
+    def with_lower_estimates(self, rows: Tensor) -> AttentionSensitivity:
+        """These quantities at the best the deferred proofs could make them on the samples rows
+        (B,) bool (those of them a proof would run on): zeta and the first-order coefficient of
+        the refinement lowered to lower bounds on the norms they bound
+        (``DeferredProofs.lower_estimates``), elsewhere unchanged; ``deferred`` dropped.
+        ``delta`` is nondecreasing in both, and ``with_proofs`` can bring neither below those
+        norms, so for any rows' its delta is at least this one's: a sample these leave
+        uncertified at some eps, the proofs leave uncertified there too. Not a certificate."""
+        if self.deferred is None:
+            return self
+        rows = rows & self.deferred.rows
+        changes: dict[str, Tensor | None] = {"deferred": None}
+        if bool(rows.any()):
+            first_order, jacobian = self.deferred.lower_estimates(rows)
+            zeta = self.zeta.clone()
+            zeta[rows] = torch.minimum(zeta[rows], first_order)
+            changes["zeta"] = zeta
+            if self.softmax_first_order is not None:  # min(zeta + zeta_s, jacobian) <= it
+                current = self.refined_first_order.clone()
+                current[rows] = torch.minimum(current[rows], jacobian)
+                changes["jacobian"] = current
+        return dataclasses.replace(self, **changes)
+
     def delta(self, eps: Tensor) -> Tensor:
         """Bound on ||F(X') - F(X)||_F over ||X' - X||_F <= eps.
 

@@ -47,10 +47,13 @@ from lofast.bounds.near_reference import (
     ProjectedBasis,
     deflated_first_order_bound,
     head_deviation_bound,
+    jacobian_apply,
+    jacobian_rounding,
     softmax_first_order_bound,
 )
 from lofast.bounds.softmax_terms import softmax_first_order_norm
 from lofast.bounds.spectral import SpectralMethod, matrix_norm_upper
+from lofast.bounds.verified import gamma
 
 # The methods that begin with the deterministic near-reference bounds and refine only the
 # samples those leave loose (the others compute their own norm for every sample).
@@ -117,6 +120,16 @@ class BlockAtX:
         """The reference's deflation for these tokens (``AttentionSpec.deflation``), with the
         guarantee of ``reference_norm``."""
         return self.w.deflation(self.X.shape[1], large, self.method, self.generator)
+
+    def jacobian_data(self, rows: Tensor | None = None) -> JacobianData:
+        """The per-sample products of T_X and D_X (``near_reference.JacobianData``), for the
+        samples rows (B,) bool or all."""
+        pick = slice(None) if rows is None else rows
+        projections, output = self.w.jacobian_weights
+        return JacobianData(probs=self.probs[pick], x_query=self.x_query[pick],
+                            x_key=self.x_key[pick], x_value=self.x_value[pick],
+                            projections=projections, output=output,
+                            residual=1.0 if self.w.residual else 0.0, scale=float(self.w.scale))
 
     def deflation_products(self, large: bool = False) -> ProjectedBasis:
         """Its basis's products with the weights (``AttentionSpec.deflation_products``)."""
@@ -323,11 +336,7 @@ class DeflatedReference(NormStrategy):
         return loose & (complement + deviation <= block.reference_norm * margin)
 
     def bound(self, block, bounds, rows):
-        projections, output = block.w.jacobian_weights
-        data = JacobianData(probs=block.probs[rows], x_query=block.x_query[rows],
-                            x_key=block.x_key[rows], x_value=block.x_value[rows],
-                            projections=projections, output=output,
-                            residual=1.0 if block.w.residual else 0.0, scale=float(block.w.scale))
+        data = block.jacobian_data(rows)
         with_softmax = block.refine and not block.coordinate_jacobian
         softmax = bounds.softmax[rows] if with_softmax else None
         bound, ritz = deflated_first_order_bound(
@@ -478,6 +487,38 @@ class DeferredProofs:
         minimum over every strategy, proofs included, as if those samples were the batch."""
         softmax = None if self.softmax is None else self.softmax[rows].clone()
         return attention_norms(self.block.subset(rows), softmax)
+
+    def lower_estimates(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Lower bounds (rows.sum(),) each on ||T_X|| and on the block's Jacobian norm
+        ||T_X + D_X|| (||T_X|| again without the refinement) for the samples rows (B,) bool:
+        no proof can bound a norm below them, so the full walk's zeta and its first-order
+        coefficient min(zeta + zeta_s, jacobian) are at least these.
+
+        Each is ||J g|| / ||g|| for the one vector g = ``BlockAtX.along`` (near the
+        reference's top right singular vector), rounding included: with y = fl(J g) from
+        ``jacobian_apply`` and r its rounding bound (``jacobian_rounding``:
+        ||y - J g|| <= r ||g||), ||J g|| >= ||y|| - r ||g||, each computed norm inflated or
+        deflated by gamma_(n d) for its own rounding. Zero where the spec's weights are not on
+        the tokens' device (the trivial bound). Costs one product per sample and quantity, next
+        to the proofs' hundreds."""
+        block = self.block.subset(rows)
+        count, n, d = block.X.shape
+        zeros = block.X.new_zeros(count)
+        if block.w.query.device != block.X.device:
+            return zeros, zeros
+        g = block.along.reshape(1, n, d)
+        data = block.jacobian_data()
+        r_first, r_jacobian = jacobian_rounding(data)
+        slack = gamma(n * d + 2)
+        g_norm = float(torch.linalg.vector_norm(g)) * (1.0 + slack)  # >= ||g||
+
+        def lower(softmax: bool, rounding: Tensor) -> Tensor:
+            image = jacobian_apply(g, data, softmax).reshape(count, n * d)
+            image_norm = torch.linalg.vector_norm(image, dim=1) * (1.0 - slack)  # <= ||y||
+            return ((image_norm - rounding * g_norm) / g_norm * (1.0 - slack)).clamp_min(0.0)
+
+        zeta = lower(False, r_first)
+        return zeta, (lower(True, r_jacobian) if self.softmax is not None else zeta)
 
 
 def merge(bounds: NormBounds, candidate: Candidate) -> None:

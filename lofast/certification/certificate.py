@@ -39,7 +39,7 @@ from lofast.config import (
     Bound,
     check_flags,
     check_int,
-    parse_radius,
+    parse_radii,
 )
 from lofast.errors import CertificationError, ConfigError
 from lofast.models.vit import LipschitzViT
@@ -90,10 +90,11 @@ class CertifySettings:
     method's (by default 0.01). automatic: set by ``for_model`` when "auto" chose the
     guarantee, the reason in words.
 
-    verdicts_at: a radius > 0 for verdicts-only certificates (``Certifier.certify``): at every
-    eps up to it, a sample is certified exactly when the full certificate certifies it, but
-    the per-sample proofs run only for the samples whose verdict needs them, so other radii
-    may be smaller (each still certified). None: every radius as large as the bounds allow.
+    verdicts_at: radii > 0 (one or a sequence, kept distinct and ascending) for verdicts-only
+    certificates (``Certifier.certify``): at each of them a sample is certified exactly when
+    the full certificate certifies it, but the per-sample proofs run only for the samples
+    whose verdict there needs them, so radii may be smaller (each still certified), and
+    verdicts at other eps may be fewer. None: every radius as large as the bounds allow.
     """
 
     bound: Bound = CERTIFY_DEFAULTS.bound
@@ -105,7 +106,7 @@ class CertifySettings:
     seed: int = CERTIFY_DEFAULTS.seed
     jacobian_slack: float | None = None
     automatic: str | None = None
-    verdicts_at: float | None = None
+    verdicts_at: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bound", Bound.parse("bound", self.bound, CertificationError))
@@ -116,8 +117,8 @@ class CertifySettings:
                                                    CertificationError))
         if self.verdicts_at is not None:
             try:
-                object.__setattr__(self, "verdicts_at", parse_radius(self.verdicts_at,
-                                                                     "verdicts_at"))
+                object.__setattr__(self, "verdicts_at", parse_radii(self.verdicts_at,
+                                                                    "verdicts_at"))
             except ConfigError as error:
                 raise CertificationError(str(error)) from None
         if self.guarantee is not None and self.guarantee not in GUARANTEE_CHOICES:
@@ -163,7 +164,8 @@ class CertifySettings:
         if slack != JACOBIAN_SLACK:
             name += f", Jacobian slack {slack:g}"
         if self.verdicts_at is not None:
-            name += f", radii for the verdicts up to eps {self.verdicts_at:g}"
+            name += (", radii for the verdicts at eps "
+                     + ", ".join(f"{eps:g}" for eps in self.verdicts_at))
         return name
 
 
@@ -332,18 +334,26 @@ class Certifier:
         of those samples alone), their weakest guarantee and per-sample failure probability.
 
         With ``settings.verdicts_at``, the walk skips the attention blocks' per-sample proofs;
-        then they are made (``AttentionSensitivity.with_proofs``) for the samples it leaves
-        uncertified at verdicts_at. The cheap bounds are no tighter than the full walk's, and
-        the same where no proof was deferred, so a sample certified at some eps <= verdicts_at
-        by one certificate is certified there by the other."""
+        then they are made (``AttentionSensitivity.with_proofs``) for the samples whose verdict
+        at some eps of verdicts_at they could change: not certified there by the cheap bounds,
+        and certified there with every deferred norm at a lower bound
+        (``AttentionSensitivity.with_lower_estimates``), which no proof goes below. The cheap
+        bounds are no tighter than the full walk's, and the same where no proof was deferred,
+        so at every eps of verdicts_at both certificates certify the same samples."""
         steps = radius_maps(self.structure, activations, self.norms)
         if self.settings.verdicts_at is not None:
             deferred = torch.zeros_like(margins[:, 0], dtype=torch.bool)
             for step in steps:
                 if isinstance(step, AttentionSensitivity) and step.deferred is not None:
                     deferred |= step.deferred.rows
-            eps = margins.new_full((len(margins), 1), self.settings.verdicts_at)
-            refine = deferred & ~head_certified(margins, pair_norms, propagate(steps, eps))[:, 0]
+            eps = margins.new_tensor(self.settings.verdicts_at)[None].expand(len(margins), -1)
+            cheap = head_certified(margins, pair_norms, propagate(steps, eps))  # (B, E)
+            refine = deferred & ~cheap.all(dim=1)
+            if bool(refine.any()):
+                best = [step.with_lower_estimates(refine)
+                        if isinstance(step, AttentionSensitivity) else step for step in steps]
+                reachable = head_certified(margins, pair_norms, propagate(best, eps))
+                refine = refine & (reachable & ~cheap).any(dim=1)
             steps = [step.with_proofs(refine) if isinstance(step, AttentionSensitivity) else step
                      for step in steps]
         attention = [step for step in steps if isinstance(step, AttentionSensitivity)]

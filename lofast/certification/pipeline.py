@@ -379,16 +379,17 @@ def load_samples(model: nn.Module, metadata: dict, data: object, dataset: str | 
 
 
 def verdict_settings(config: CertifyConfig) -> CertifySettings | None:
-    """The run's certifier settings: with ``verdicts_only``, its ``verdicts_at`` the largest
-    eps. ConfigError for a ``verdicts_at`` below it: there the verdicts could be smaller than
-    the full certificate's."""
-    settings, largest = config.settings, max(config.eps)
+    """The run's certifier settings: with ``verdicts_only``, verdicts at the run's eps
+    (``verdicts_at``). ConfigError for a ``verdicts_at`` that lacks one of them: there the
+    verdicts could be fewer than the full certificate's."""
+    settings = config.settings
     if config.verdicts_only:
-        return dataclasses.replace(settings or CertifySettings(), verdicts_at=largest)
-    if settings is not None and settings.verdicts_at is not None \
-            and settings.verdicts_at < largest:
-        raise ConfigError(f"verdicts_at {settings.verdicts_at:g} is below the largest eps "
-                          f"{largest:g}; raise it, or pass verdicts_only")
+        return dataclasses.replace(settings or CertifySettings(), verdicts_at=config.eps)
+    if settings is not None and settings.verdicts_at is not None:
+        missing = sorted(set(config.eps) - set(settings.verdicts_at))
+        if missing:
+            raise ConfigError(f"verdicts_at lacks eps {', '.join(f'{e:g}' for e in missing)}; "
+                              f"add it, or pass verdicts_only")
     return settings
 
 

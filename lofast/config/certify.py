@@ -52,14 +52,15 @@ def parse_radius(value: Any, name: str = "eps") -> float:
     return number
 
 
-def parse_radii(value: Any) -> tuple[float, ...]:
-    """The distinct radii of one eps (a number or a text) or of a sequence of them, ascending."""
+def parse_radii(value: Any, name: str = "eps") -> tuple[float, ...]:
+    """The distinct radii of one eps (a number or a text) or of a sequence of them, ascending;
+    ConfigError naming ``name`` otherwise."""
     if (isinstance(value, (str, bytes)) or not hasattr(value, "__iter__")
             or getattr(value, "ndim", None) == 0):  # a 0-d array or tensor is one radius
         value = [value]
-    radii = {parse_radius(v) for v in value}
+    radii = {parse_radius(v, name) for v in value}
     if not radii:
-        raise ConfigError("give at least one eps")
+        raise ConfigError(f"give at least one {name}")
     return tuple(sorted(radii))
 
 
@@ -184,7 +185,7 @@ class CertifyConfig:
     None; out: the JSONL record file (resume continues it); shard: (I, N) or "I/N";
     verdicts_only: certificates whose verdicts at every eps are the full certificate's, with
     the per-sample proofs only where a verdict needs them (the settings' ``verdicts_at`` set
-    to the largest eps; other radii may be smaller, each still certified).
+    to the run's eps; other radii may be smaller, each still certified).
     """
 
     eps: Any
