@@ -200,9 +200,10 @@ class AttentionSensitivity:
         (B,) bool (those of them a proof would run on): zeta and the first-order coefficient of
         the refinement lowered to lower bounds on the norms they bound
         (``DeferredProofs.lower_estimates``), elsewhere unchanged; ``deferred`` dropped.
-        ``delta`` is nondecreasing in both, and ``with_proofs`` can bring neither below those
-        norms, so for any rows' its delta is at least this one's: a sample these leave
-        uncertified at some eps, the proofs leave uncertified there too. Not a certificate."""
+        ``delta`` is nondecreasing in both, and the proofs of an exact or probabilistic
+        guarantee bound neither below those norms, so ``with_proofs`` gives these rows a delta
+        at least this one's: a sample these leave uncertified at some eps, the proofs leave
+        uncertified there too. Not a certificate."""
         if self.deferred is None:
             return self
         rows = rows & self.deferred.rows

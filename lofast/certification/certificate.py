@@ -337,7 +337,8 @@ class Certifier:
         then they are made (``AttentionSensitivity.with_proofs``) for the samples whose verdict
         at some eps of verdicts_at they could change: not certified there by the cheap bounds,
         and certified there with every deferred norm at a lower bound
-        (``AttentionSensitivity.with_lower_estimates``), which no proof goes below. The cheap
+        (``AttentionSensitivity.with_lower_estimates``), which no proof goes below (with the
+        estimate guarantee, where norms are not upper bounds, every such sample). The cheap
         bounds are no tighter than the full walk's, and the same where no proof was deferred,
         so at every eps of verdicts_at both certificates certify the same samples."""
         steps = radius_maps(self.structure, activations, self.norms)
@@ -349,7 +350,8 @@ class Certifier:
             eps = margins.new_tensor(self.settings.verdicts_at)[None].expand(len(margins), -1)
             cheap = head_certified(margins, pair_norms, propagate(steps, eps))  # (B, E)
             refine = deferred & ~cheap.all(dim=1)
-            if bool(refine.any()):
+            # estimated norms (power iteration) may lie below a lower bound: no screen there
+            if bool(refine.any()) and self.settings.method.guarantee is not Guarantee.ESTIMATE:
                 best = [step.with_lower_estimates(refine)
                         if isinstance(step, AttentionSensitivity) else step for step in steps]
                 reachable = head_certified(margins, pair_norms, propagate(best, eps))
