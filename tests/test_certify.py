@@ -524,6 +524,63 @@ def test_each_certifier_owns_its_per_model_quantities(trained, certificate):
     assert torch.equal(alone.radius(), again.radius())
 
 
+def _nudge_in_place(model):
+    with torch.no_grad():
+        model.stages[0].bias.add_(0.5)
+
+
+def _nudge_through_data(model):  # PyTorch counts no version for this one
+    weight = model.stages[0].weight.data
+    weight[0, 0] = torch.nextafter(weight[0, 0], torch.tensor(1.0, dtype=weight.dtype))
+
+
+def _load_other_weights(model):
+    other = create_model(model.config)
+    model.load_state_dict(other.state_dict())
+
+
+@pytest.mark.parametrize("change", [_nudge_in_place, _nudge_through_data, _load_other_weights])
+def test_a_certifier_refuses_once_its_model_changed(trained, change):
+    """The certifier's copy and proofs are of the weights it was made for: certifying after
+    the caller changed the model would certify a model the caller no longer has (the stale
+    radii differ from a new certifier's), so it raises instead, naming the first change."""
+    model, x, y = trained
+    model = copy.deepcopy(model)
+    certifier = Certifier(model)
+    before = certifier.certify(x, y)
+    change(model)
+    with pytest.raises(CertificationError, match="model changed after this Certifier"):
+        certifier.certify(x, y)
+    with pytest.raises(CertificationError, match="stages.0"):
+        certifier.make_proofs(x, y)
+    if change is not _nudge_through_data:  # the old answer would have been wrong
+        assert not torch.equal(Certifier(model).certify(x, y).radius(), before.radius())
+
+
+def test_a_certifier_refuses_once_its_own_copy_changed(trained, certificate):
+    model, x, y = trained
+    certifier = Certifier(copy.deepcopy(model))
+    with torch.no_grad():
+        certifier.model.stages[0].bias.add_(0.5)  # the copy's forward pass would move, not its specs
+    with pytest.raises(CertificationError, match="Certifier.model.*stages.0.bias"):
+        certifier.certify(x, y)
+
+
+def test_a_certifier_goes_on_where_the_model_keeps_its_values(trained, certificate):
+    """A change of mode, dtype or device that keeps every value is no change of the model."""
+    model, x, y = trained
+    model = copy.deepcopy(model)
+    certifier = Certifier(model)
+    model.train()
+    model.double()
+    assert torch.equal(certifier.certify(x, y).radius(), certificate.radius())
+    model.float().eval()
+    assert torch.equal(certifier.certify(x, y).radius(), certificate.radius())
+    model.half()  # rounds the weights: a different model
+    with pytest.raises(CertificationError, match="model changed"):
+        certifier.certify(x, y)
+
+
 def test_probabilistic_and_exact_agree(trained):
     model, x, y = trained
     exact = Certifier(model, CertifySettings(method=SpectralMethod(kind="dense"))).certify(x, y)

@@ -42,6 +42,7 @@ from lofast.config import (
     parse_radii,
 )
 from lofast.errors import CertificationError, ConfigError
+from lofast.models.layers import StateSnapshot
 from lofast.models.vit import LipschitzViT
 
 # Each bound's first-order term and score term; "lofast" is the paper's practical bound
@@ -268,7 +269,9 @@ class Certifier:
     ``Certifier(model)`` certifies as ``lofast certify`` does by default: the LoFAST bound with
     the softmax refinement, kappa 1/2, and the guarantee "auto" resolved for the model
     (``CertifySettings.for_model``: deterministic upper bounds unless the model is too large
-    for their proofs); ``settings`` holds the resolved settings.
+    for their proofs); ``settings`` holds the resolved settings. The certificates are of the
+    weights the model has when the certifier is made: ``certify`` raises CertificationError
+    once the model, or the certifier's own copy ``model``, has changed.
     """
 
     def __init__(self, model: LipschitzViT, settings: CertifySettings | None = None,
@@ -279,6 +282,10 @@ class Certifier:
         self.settings = (settings or CertifySettings()).for_model(model)
         self.device = torch.device(device)
         self.model = model.frozen(self.device)
+        # the proofs below are about the weights as they are now: ``certify`` refuses once the
+        # caller's model or this private copy of it has changed
+        self._source, self._source_state = model, StateSnapshot(model)
+        self._model_state = StateSnapshot(self.model)
         # specs on the certifier's device. They hold the per-model proofs (an attention spec's
         # verified reference norm and deflations, computed on first use): these live and die
         # with this certifier; certify many batches with one Certifier to pay them once.
@@ -297,6 +304,7 @@ class Certifier:
         """images (B, C, H, W) in [0, 1] of the model's shape, labels (B,) integer classes of
         the model -> certificates. CertificationError for anything else."""
         started = time.perf_counter()
+        self._check_unchanged()
         self._check_inputs(images, labels)
         x = images.to(self.device, torch.float64)
         if not torch.isfinite(x).all():
@@ -373,6 +381,21 @@ class Certifier:
             return bool(self.certify(images, labels).bounded.all())
         finally:
             self.norms.generator.set_state(state)
+
+    def _check_unchanged(self) -> None:
+        """Refuse to certify once the model's weights differ from those this certifier was made
+        for: its copy, its specs and its per-model proofs are of the old weights, so it would
+        certify a model the caller no longer has (or, where its own copy was edited, mix two)."""
+        changed = self._source_state.changed(self._source)
+        if changed is not None:
+            raise CertificationError(
+                f"the model changed after this Certifier was made (first: {changed}); its "
+                f"proofs are of the old weights: make a new Certifier for the new ones")
+        changed = self._model_state.changed(self.model)
+        if changed is not None:
+            raise CertificationError(
+                f"Certifier.model, the certificate's own copy of the model, was changed "
+                f"(first: {changed}); make a new Certifier from the model instead")
 
     def _check_inputs(self, images: Tensor, labels: Tensor) -> None:
         """Refuse images that are not a (B, C, H, W) batch of the model's shape, and labels

@@ -165,6 +165,35 @@ def _all_equal(tensors: list[Tensor], copies: list[Tensor]) -> bool:
         for t, c in zip(tensors, copies))
 
 
+class StateSnapshot:
+    """A module's parameters and buffers (its ``state_dict``) as they were when the snapshot was
+    taken, to tell later whether the module still computes the same function: an object that
+    keeps proofs about a model (a ``Certifier``) refuses to go on once its model changed.
+    A copy of every tensor is kept, because PyTorch counts no change made through ``.data``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._tensors = {name: t.detach().clone() for name, t in module.state_dict().items()}
+
+    def changed(self, module: nn.Module) -> str | None:
+        """The name of the first tensor of ``module`` that differs from the snapshot (in shape
+        or in any value; one added or removed), or None if none does. Values are compared in
+        float64 where the dtype changed: a model moved to float64 or to another device, every
+        value kept, is unchanged; one rounded to a lower precision is changed."""
+        now = module.state_dict()
+        for name in sorted(now.keys() ^ self._tensors.keys()):
+            return name
+        for name, tensor in now.items():
+            kept = self._tensors[name]
+            if tensor.shape != kept.shape:
+                return name
+            tensor = tensor.detach().to(kept.device)
+            if tensor.dtype != kept.dtype:
+                tensor, kept = tensor.to(torch.float64), kept.to(torch.float64)
+            if not torch.equal(tensor, kept):
+                return name
+        return None
+
+
 class _KeptValue(torch.autograd.Function):
     """Kept values as they are in the forward pass; their gradient with respect to the module's
     tensors (the inputs) by recomputing them with autograd, only when a backward pass reaches
