@@ -120,6 +120,18 @@ def _decoded(path: Path, raw: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+def weights_digest(model: LipschitzViT) -> str:
+    """SHA-256 (hex) of a model's config and every tensor of its state (name, dtype, shape and
+    bytes): what names a model given in memory, as a file's digest names a checkpoint, so that
+    records of one model are never taken for another's."""
+    digest = hashlib.sha256(model.config.to_json().encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu") -> LipschitzViT:
     """A ready model in eval mode that maps images in [0,1] to logits (``read_checkpoint``'s).
 

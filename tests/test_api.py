@@ -232,6 +232,23 @@ def test_a_run_stopped_before_its_first_batch_lets_go_of_its_record_file(
     assert kept.traceback  # held until here
 
 
+def test_a_run_of_a_model_in_memory_resumes_only_with_its_own_weights(
+        one_thread, checkpoint, data_dir, tmp_path):
+    """A model given in memory is named in the records by its weights: the same weights resume
+    the run, other weights are refused (they would have counted the first model's
+    certificates as theirs)."""
+    out = tmp_path / "r.jsonl"
+    model = lofast.load_model(checkpoint)
+    first = lofast.certify(model, data_dir, eps=0.1, n=4, dataset="folder", out=out)
+    again = lofast.certify(lofast.load_model(checkpoint), data_dir, eps=0.1, n=4,
+                           dataset="folder", out=out, resume=True)
+    assert [r.radius for r in again.records] == [r.radius for r in first.records]
+    with torch.no_grad():
+        model.stages[0].bias.add_(1.0)
+    with pytest.raises(LofastError, match="other settings: checkpoint in memory, weights"):
+        lofast.certify(model, data_dir, eps=0.1, n=4, dataset="folder", out=out, resume=True)
+
+
 # Arguments the API must refuse as the command line does, before any work (ConfigError, one of
 # lofast.errors): each would otherwise certify the wrong question. A negative eps, in
 # particular, counted misclassified samples as certified.

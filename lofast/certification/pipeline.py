@@ -173,13 +173,13 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
 
 def load_source(checkpoint: object) -> tuple[nn.Module, dict, str]:
     """(model, its checkpoint metadata, the digest records name it by) for a checkpoint path,
-    the name of a shipped model, a loaded LipschitzViT ("in memory", no metadata) or None (the
-    shipped default)."""
-    from lofast.checkpoint import open_checkpoint
+    the name of a shipped model, a loaded LipschitzViT (no metadata; named by its weights, so
+    that a run resumed with other weights is refused) or None (the shipped default)."""
+    from lofast.checkpoint import open_checkpoint, weights_digest
     from lofast.models.vit import LipschitzViT
 
     if isinstance(checkpoint, LipschitzViT):
-        return checkpoint, {}, "in memory"
+        return checkpoint, {}, f"in memory, weights {weights_digest(checkpoint)[:16]}"
     if checkpoint is not None and not isinstance(checkpoint, Path):
         raise ConfigError(f"checkpoint must be a path or a LipschitzViT, not "
                           f"{type(checkpoint).__name__}")
