@@ -1,6 +1,7 @@
 """End-to-end soundness of certificates on a small trained model: PGD finds nothing."""
 
 import copy
+import types
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from lofast.checkpoint import default_checkpoint_path, load_checkpoint
 from lofast.config import preset
 from lofast.data.sample import load_bundled_sample
 from lofast.errors import CertificationError
-from lofast.models.layers import SLL, PatchEmbed
+from lofast.models.layers import SLL, Head, PatchEmbed
 from lofast.models.vit import create_model
 
 EPS = torch.tensor([0.02, 0.05, 0.1, 0.2], dtype=torch.float64)
@@ -579,6 +580,77 @@ def test_a_certifier_goes_on_where_the_model_keeps_its_values(trained, certifica
     model.half()  # rounds the weights: a different model
     with pytest.raises(CertificationError, match="model changed"):
         certifier.certify(x, y)
+
+
+class _LouderHead(Head):
+    """A subclass that changes the head's forward pass and keeps the spec of the head."""
+
+    def forward(self, x):
+        return super().forward(x) * 10
+
+
+def _louder_by_hook(model):
+    model.stages[-1].register_forward_hook(lambda module, inputs, out: out * 10)
+
+
+def _louder_by_subclass(model):
+    model.stages[-1].__class__ = _LouderHead
+
+
+def _louder_by_instance_method(model):
+    head = model.stages[-1]
+    head.forward = types.MethodType(lambda self, x: Head.forward(self, x) * 10, head)
+
+
+@pytest.mark.parametrize("louder, named", [
+    (_louder_by_hook, "module stages.* has a forward hook"),
+    (_louder_by_subclass, "stage .* \\(_LouderHead\\) defines its forward pass without a spec"),
+    (_louder_by_instance_method, "module stages.* has a forward method of its own")])
+def test_a_model_whose_forward_pass_departs_from_its_specs_is_refused(
+        trained, louder, named, monkeypatch):
+    """Logits scaled by 10 behind the specs' back: the specs bound the model without it, the
+    margins grow tenfold, and the radii with them, which PGD breaks. So the certifier refuses
+    such a model, made so before it or after; a subclass that changes nothing is taken."""
+    from lofast.certification import certificate as certificate_module
+
+    model, x, y = trained
+    louder_model = copy.deepcopy(model)
+    louder(louder_model)
+    with pytest.raises(CertificationError, match=f"cannot certify this model: {named}"):
+        Certifier(louder_model)
+    later = copy.deepcopy(model)
+    certifier = Certifier(later)
+    louder(later)
+    with pytest.raises(CertificationError, match=f"cannot certify this model now: {named}"):
+        certifier.certify(x, y)
+    monkeypatch.setattr(certificate_module, "foreign_part", lambda model: None)
+    radius = Certifier(louder_model).certify(x, y).radius()  # what it would have certified
+    inside = radius > 0
+    assert pgd_l2(louder_model.double(), x[inside].double(), y[inside],
+                  radius[inside] * 0.999, steps=50, restarts=2).any()
+
+
+def test_a_subclass_that_keeps_the_forward_pass_of_its_stage_is_taken(trained, certificate):
+    model, x, y = trained
+    model = copy.deepcopy(model)
+    model.stages[-1].__class__ = type("SameHead", (Head,), {})
+    assert torch.equal(Certifier(model).certify(x, y).radius(), certificate.radius())
+
+
+def test_a_hook_for_every_module_or_a_model_not_lofasts_is_refused(trained):
+    model = trained[0]
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *arguments: None)
+    try:
+        with pytest.raises(CertificationError, match="registered for every module"):
+            Certifier(model)
+    finally:
+        handle.remove()
+    with pytest.raises(CertificationError, match="of type Sequential, not LipschitzViT"):
+        Certifier(torch.nn.Sequential(*model.stages))
+    bare = copy.deepcopy(model)
+    bare.stages.insert(1, torch.nn.Identity())
+    with pytest.raises(CertificationError, match="stage 1 \\(Identity\\) has no spec"):
+        Certifier(bare)
 
 
 def test_probabilistic_and_exact_agree(trained):

@@ -43,7 +43,7 @@ from lofast.config import (
 )
 from lofast.errors import CertificationError, ConfigError
 from lofast.models.layers import StateSnapshot
-from lofast.models.vit import LipschitzViT
+from lofast.models.vit import LipschitzViT, foreign_part
 
 # Each bound's first-order term and score term; "lofast" is the paper's practical bound
 # delta_2^(2), "lofast-tight" its delta_2^(1), "naive" the first-order term of eq. (12).
@@ -276,6 +276,7 @@ class Certifier:
 
     def __init__(self, model: LipschitzViT, settings: CertifySettings | None = None,
                  device: torch.device | str = "cpu") -> None:
+        self._refuse_foreign_parts(model, "")
         for name, value in model.state_dict().items():  # a model given in memory is unchecked
             if value.is_floating_point() and not torch.isfinite(value).all():
                 raise CertificationError(f"the model's weight {name} contains NaN or infinity")
@@ -386,6 +387,8 @@ class Certifier:
         """Refuse to certify once the model's weights differ from those this certifier was made
         for: its copy, its specs and its per-model proofs are of the old weights, so it would
         certify a model the caller no longer has (or, where its own copy was edited, mix two)."""
+        self._refuse_foreign_parts(self._source, " now")
+        self._refuse_foreign_parts(self.model, " (Certifier.model, the certificate's own copy)")
         changed = self._source_state.changed(self._source)
         if changed is not None:
             raise CertificationError(
@@ -396,6 +399,15 @@ class Certifier:
             raise CertificationError(
                 f"Certifier.model, the certificate's own copy of the model, was changed "
                 f"(first: {changed}); make a new Certifier from the model instead")
+
+    @staticmethod
+    def _refuse_foreign_parts(model: LipschitzViT, when: str) -> None:
+        """CertificationError where the model's forward pass may differ from its specs
+        (``foreign_part``: a hook, a forward method set on a module, a foreign module)."""
+        foreign = foreign_part(model)
+        if foreign is not None:
+            raise CertificationError(f"cannot certify this model{when}: {foreign} (its "
+                                     f"forward pass may not be the function its specs bound)")
 
     def _check_inputs(self, images: Tensor, labels: Tensor) -> None:
         """Refuse images that are not a (B, C, H, W) batch of the model's shape, and labels

@@ -137,6 +137,39 @@ class LipschitzViT(nn.Module):
             return [stage.spec(differentiable) for stage in self.stages]
 
 
+def foreign_part(model: nn.Module) -> str | None:
+    """Where ``model`` may compute something other than what its stages' specs describe, in
+    one line, or None. A certifier bounds every stage through its ``spec()`` and measures the
+    margins through the stages' forward passes, so each stage's class must define its
+    ``spec`` where it defines its ``forward`` or below (the stage protocol: a stage of a new
+    class brings its spec; a subclass that changes a lofast stage's forward pass and keeps its
+    spec does not). Named here: a model that is not a LipschitzViT, a stage without a spec or
+    with a forward pass newer than its spec, a ``forward`` or ``spec`` set on one module, and a
+    forward hook (on any module, or registered for all modules; a hook that changes nothing
+    is named too, as nothing tells it from one that does)."""
+    if type(model) is not LipschitzViT:
+        return f"the model is of type {type(model).__name__}, not LipschitzViT"
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return "a forward hook registered for every module (register_module_forward_hook)"
+    for index, stage in enumerate(model.stages):
+        kind = type(stage)
+        defines = [owner for owner in kind.__mro__ if "spec" in vars(owner)]
+        if not defines:
+            return f"stage {index} ({kind.__name__}) has no spec() to bound it by"
+        forward = next(owner for owner in kind.__mro__ if "forward" in vars(owner))
+        if kind.__mro__.index(forward) < kind.__mro__.index(defines[0]):
+            return (f"stage {index} ({kind.__name__}) defines its forward pass without a "
+                    f"spec() of its own")
+    for name, module in model.named_modules():
+        where = f"module {name}" if name else "the model"
+        if module._forward_hooks or module._forward_pre_hooks:
+            return f"{where} has a forward hook"
+        replaced = sorted({"forward", "spec"} & vars(module).keys())
+        if replaced:
+            return f"{where} has a {replaced[0]} method of its own"
+    return None
+
+
 def with_options(model: LipschitzViT, **changes) -> LipschitzViT:
     """A copy of ``model`` with config fields from INIT_OPTIONS changed: position_bias=True adds
     zero biases (the same function); score_norm rescales every head's scores to that norm;
