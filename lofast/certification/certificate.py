@@ -393,7 +393,7 @@ class Certifier:
         if changed is not None:
             raise CertificationError(
                 f"the model changed after this Certifier was made (first: {changed}); its "
-                f"proofs are of the old weights: make a new Certifier for the new ones")
+                f"proofs are of the model as it was: make a new Certifier for the changed one")
         changed = self._model_state.changed(self.model)
         if changed is not None:
             raise CertificationError(

@@ -10,6 +10,7 @@ rescaling, row normalisation), so training, certification and export all see one
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from collections.abc import Mapping
@@ -165,20 +166,30 @@ def _all_equal(tensors: list[Tensor], copies: list[Tensor]) -> bool:
         for t, c in zip(tensors, copies))
 
 
+# what a hold keeps (``hold_effective_weights``, ``hold_rescaling``): tensors computed from
+# the weights, not settings of the module
+HELD_ATTRIBUTES = frozenset({"held", "held_rescaling"})
+
+
 class StateSnapshot:
-    """A module's parameters and buffers (its ``state_dict``) as they were when the snapshot was
-    taken, to tell later whether the module still computes the same function: an object that
-    keeps proofs about a model (a ``Certifier``) refuses to go on once its model changed.
-    A copy of every tensor is kept, because PyTorch counts no change made through ``.data``."""
+    """A module's parameters and buffers (its ``state_dict``) and the settings of each of its
+    modules (public attributes that are neither tensors, modules, methods, the mode nor what a
+    hold keeps: a projection's radius, a head's caps) as they were when the snapshot was taken, to
+    tell later whether the module still computes the same function: an object that keeps
+    proofs about a model (a ``Certifier``) refuses to go on once its model changed. A copy of
+    every tensor is kept, because PyTorch counts no change made through ``.data``."""
 
     def __init__(self, module: nn.Module) -> None:
         self._tensors = {name: t.detach().clone() for name, t in module.state_dict().items()}
+        self._settings = {name: copy.deepcopy(_settings(part))
+                          for name, part in module.named_modules()}
 
     def changed(self, module: nn.Module) -> str | None:
-        """The name of the first tensor of ``module`` that differs from the snapshot (in shape
-        or in any value; one added or removed), or None if none does. Values are compared in
-        float64 where the dtype changed: a model moved to float64 or to another device, every
-        value kept, is unchanged; one rounded to a lower precision is changed."""
+        """The name of the first tensor or setting of ``module`` that differs from the snapshot
+        (a tensor in shape or in any value, either added or removed), or None if none does.
+        Values are compared in float64 where the dtype changed: a model moved to float64 or to
+        another device, every value kept, is unchanged; one rounded to a lower precision is
+        changed."""
         now = module.state_dict()
         for name in sorted(now.keys() ^ self._tensors.keys()):
             return name
@@ -191,7 +202,20 @@ class StateSnapshot:
                 tensor, kept = tensor.to(torch.float64), kept.to(torch.float64)
             if not torch.equal(tensor, kept):
                 return name
+        for name, part in module.named_modules():
+            settings = _settings(part)
+            kept = self._settings.get(name, {})
+            for attribute in sorted(settings.keys() | kept.keys()):
+                if attribute not in settings or attribute not in kept \
+                        or settings[attribute] != kept[attribute]:
+                    return f"{name}.{attribute}" if name else attribute
         return None
+
+
+def _settings(module: nn.Module) -> dict:
+    return {name: value for name, value in vars(module).items()
+            if not name.startswith("_") and name != "training" and name not in HELD_ATTRIBUTES
+            and not isinstance(value, (Tensor, nn.Module)) and not callable(value)}
 
 
 class _KeptValue(torch.autograd.Function):
