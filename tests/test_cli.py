@@ -424,6 +424,34 @@ def test_report_requires_a_finished_run(checkpoint, data_dir, tmp_path):
     assert runner.invoke(cli, ["report", str(out), "--require", "0.02=0"]).exit_code == 0
 
 
+def test_no_certified_accuracy_gate_passes_on_estimates(checkpoint, data_dir, tmp_path):
+    """Radii under the estimate guarantee (power iteration) are no certificates: a requirement
+    or an allowed drop on certified accuracy fails on such a run, as run or as baseline, however
+    its figures look; one on clean accuracy alone is judged as usual, and the same gates pass
+    on the same model's exact run."""
+    runner = CliRunner()
+    runs = {}
+    for guarantee in ("estimate", "exact"):
+        runs[guarantee] = tmp_path / f"{guarantee}.jsonl"
+        made = runner.invoke(cli, ["certify", "--checkpoint", str(checkpoint), "--data",
+                                   str(data_dir), "--eps", "0.02", "--n", "8", "--device", "cpu",
+                                   "--guarantee", guarantee, "--out", str(runs[guarantee]),
+                                   "--require", "0.02=0"])
+        assert made.exit_code == (EXIT_UNMET if guarantee == "estimate" else 0), made.output
+    estimate, exact = str(runs["estimate"]), str(runs["exact"])
+    gate = runner.invoke(cli, ["report", estimate, "--require", "0.02=0"])
+    assert gate.exit_code == EXIT_UNMET and "NOT certificates" in gate.output
+    assert "estimate: NOT a certificate" in gate.output  # the table says so too
+    assert runner.invoke(cli, ["report", estimate, "--require", "clean=0"]).exit_code == 0
+    assert runner.invoke(cli, ["report", exact, "--require", "0.02=0"]).exit_code == 0
+    for run, baseline, side in ((estimate, exact, "run"), (exact, estimate, "baseline")):
+        drop = runner.invoke(cli, ["report", run, "--baseline", baseline,
+                                   "--max-drop", "0.02=100"])
+        assert drop.exit_code == EXIT_UNMET and f"the {side}'s radii are estimates" in drop.output
+    assert runner.invoke(cli, ["report", exact, "--baseline", exact,
+                               "--max-drop", "0.02=0"]).exit_code == 0
+
+
 def test_a_merge_is_finished_where_its_parts_are(checkpoint, data_dir, tmp_path):
     """Shards merge as finished (their counts are checked complete); whole runs merge as
     finished only where each part is, unknown where one does not say."""

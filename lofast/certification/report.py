@@ -15,12 +15,24 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 from rich.table import Table
 
+from lofast.bounds.spectral import Guarantee
 from lofast.certification.records import SampleRecord, SavedRun, eps_key
 from lofast.config import Requirement, check_requirements, parse_allowed_drop, parse_requirement
 from lofast.errors import ConfigError, LofastError
 
 if TYPE_CHECKING:
     from lofast.certification.attention_report import AttentionReport
+
+
+def is_estimate(guarantee: str) -> bool:
+    """Whether a run's guarantee (its name, or the line describing it) is the estimate one:
+    power iteration, whose radii are NOT certificates, so no certified-accuracy gate passes."""
+    return guarantee.partition(":")[0].strip() == Guarantee.ESTIMATE.value
+
+
+ESTIMATE_GATE = ("radii are estimates (guarantee estimate), NOT certificates: a gate on "
+                 "certified accuracy needs a run made with --guarantee auto, exact or "
+                 "probabilistic")
 
 
 @dataclass
@@ -62,14 +74,18 @@ class Summary:
 
     def unmet(self, requirements: Sequence[Requirement | str]) -> list[str]:
         """One line for each requirement (a ``config.Requirement`` or its text, "36/255=42")
-        the summary falls short of, and one first for a saved run that did not finish (its
-        figures are those of the samples certified before it stopped); none where all are met.
+        the summary falls short of, one first for a run under the estimate guarantee (where a
+        requirement names an eps: no radius of it is a certificate) and one for a saved run that
+        did not finish (its figures are those of the samples certified before it stopped); none
+        where all are met.
         Counts of samples are compared with the exact percentage; a summary of no samples meets
         none. ConfigError where a requirement names an eps the run was not certified at."""
         requirements = [r if isinstance(r, Requirement) else parse_requirement(r)
                         for r in requirements]
         check_requirements(requirements, list(self.certified_accuracy))
         lines = []
+        if is_estimate(self.guarantee) and any(r.eps is not None for r in requirements):
+            lines.append(f"the run's {ESTIMATE_GATE}")
         if requirements and self.finished is False:
             lines.append(f"the run did not finish: its {self.samples} samples are those "
                          "certified before it stopped; finish it with lofast certify --resume "
@@ -188,6 +204,7 @@ class Comparison:
     gained: dict[float, list[int]]
     median_radius: tuple[float, float]
     finished: tuple[bool | None, bool | None] = (True, True)
+    guarantees: tuple[str, str] = ("-", "-")  # (baseline, run), as their records name them
 
     def change(self, eps: float | None) -> Fraction:
         """The run's accuracy less the baseline's, in exact percentage points: certified at
@@ -199,7 +216,9 @@ class Comparison:
         """One line for each allowed drop ("36/255=0.5", ``config.parse_allowed_drop``) the
         run's accuracy fell by more than, against the baseline on the compared samples (exact
         counts), and one first where the run did not finish; none where every drop is within
-        its allowance. ConfigError where a drop names an eps the two runs do not share."""
+        its allowance; one for each side under the estimate guarantee where a drop names an eps
+        (its radii are no certificates). ConfigError where a drop names an eps the two runs do
+        not share."""
         drops = [d if isinstance(d, Requirement) else parse_allowed_drop(d) for d in drops]
         for drop in drops:
             if drop.eps is not None and drop.eps not in self.eps:
@@ -207,6 +226,10 @@ class Comparison:
                 raise ConfigError(f"allowed drop {drop.text}: the run and the baseline both "
                                   f"certify at eps {shown}, not {drop.eps:g}")
         lines = []
+        if any(d.eps is not None for d in drops):
+            lines.extend(f"the {side}'s {ESTIMATE_GATE}"
+                         for side, guarantee in zip(("baseline", "run"), self.guarantees)
+                         if is_estimate(guarantee))
         if drops and self.finished[1] is False:
             lines.append("the run did not finish: it is compared on the samples certified "
                          "before it stopped; finish it with lofast certify --resume and the same "
@@ -273,7 +296,8 @@ def compare(run: Sequence[SampleRecord], baseline: Sequence[SampleRecord],
         lost=lost, gained=gained,
         median_radius=tuple(statistics.median(x.certified_radius for x in side)
                             for side in zip(*pairs)),
-        finished=finished)
+        finished=finished,
+        guarantees=(str(baseline[0].run.get("guarantee", "-")), str(run[0].run.get("guarantee", "-"))))
 
 
 # comparison_table names at most this many lost samples an eps (the JSON holds them all)
@@ -339,7 +363,8 @@ def summary_rows(summary: Summary) -> dict[str, str]:
         rows["per-model proofs"] = f"{summary.proof_seconds:.2f} s"
     rows["total time"] = f"{summary.total_seconds:.2f} s"
     rows["bound"] = f"{summary.bound} (kappa={summary.kappa:g})"
-    rows["guarantee"] = summary.guarantee
+    rows["guarantee"] = (f"{summary.guarantee}: NOT a certificate"
+                         if summary.guarantee == Guarantee.ESTIMATE.value else summary.guarantee)
     rows["device"] = summary.device
     return rows
 
