@@ -31,6 +31,10 @@ def resolve_device(name: str) -> torch.device:
         raise LofastError(f"device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise LofastError(f"device {name!r} requested but no CUDA GPU is available")
+    if device.type == "cuda" and device.index is not None \
+            and device.index >= torch.cuda.device_count():
+        raise LofastError(f"device {name!r} requested but this machine has "
+                          f"{torch.cuda.device_count()} CUDA GPUs (cuda:0 ...)")
     return device
 
 

@@ -362,6 +362,23 @@ def test_certifier_refuses_settings_and_weights_it_cannot_trust(checkpoint):
         lofast.certify(model, eps=0.05, n=2)
 
 
+@pytest.mark.parametrize("arguments, named", [
+    ({"model": None}, "takes a LipschitzViT .* not NoneType"),
+    ({"model": "tiny.safetensors"}, "takes a LipschitzViT .* not str"),
+    ({"settings": {"guarantee": "exact"}}, "settings must be a CertifySettings, not dict"),
+    ({"device": "tpu9"}, "unknown device 'tpu9'"),
+    ({"device": "cuda:64"}, "device 'cuda:64' requested but"),
+    ({"meta": True}, "stages.0.weight has no values")])
+def test_certifier_refuses_what_it_is_not_made_for_in_one_line(checkpoint, arguments, named):
+    """A Certifier made of the wrong things says so in one CertificationError, not in a
+    traceback from deep inside PyTorch."""
+    model = lofast.load_model(checkpoint)
+    if arguments.pop("meta", False):
+        model = model.to("meta")
+    with pytest.raises(CertificationError, match=named):
+        Certifier(**{"model": model, **arguments})
+
+
 def test_api_certificates_cannot_be_fooled_by_their_arguments():
     """A property test: random eps lists, n and batch sizes, valid and invalid. Each call is
     refused, or every sample it certifies is correctly classified with a positive margin, has a

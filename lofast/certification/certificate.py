@@ -41,9 +41,10 @@ from lofast.config import (
     check_int,
     parse_radii,
 )
-from lofast.errors import CertificationError, ConfigError
+from lofast.errors import CertificationError, ConfigError, LofastError
 from lofast.models.layers import StateSnapshot
 from lofast.models.vit import LipschitzViT, foreign_part
+from lofast.runtime import resolve_device
 
 # Each bound's first-order term and score term; "lofast" is the paper's practical bound
 # delta_2^(2), "lofast-tight" its delta_2^(1), "naive" the first-order term of eq. (12).
@@ -276,12 +277,23 @@ class Certifier:
 
     def __init__(self, model: LipschitzViT, settings: CertifySettings | None = None,
                  device: torch.device | str = "cpu") -> None:
+        if not isinstance(model, LipschitzViT):
+            raise CertificationError(f"a Certifier takes a LipschitzViT (lofast.load_model or "
+                                     f"lofast.train gives one), not {type(model).__name__}")
+        if settings is not None and not isinstance(settings, CertifySettings):
+            raise CertificationError(f"settings must be a CertifySettings, not "
+                                     f"{type(settings).__name__}")
         self._refuse_foreign_parts(model, "")
         for name, value in model.state_dict().items():  # a model given in memory is unchecked
+            if value.device.type == "meta":
+                raise CertificationError(f"the model's weight {name} has no values (meta device)")
             if value.is_floating_point() and not torch.isfinite(value).all():
                 raise CertificationError(f"the model's weight {name} contains NaN or infinity")
         self.settings = (settings or CertifySettings()).for_model(model)
-        self.device = torch.device(device)
+        try:
+            self.device = resolve_device(str(device))
+        except LofastError as error:
+            raise CertificationError(str(error)) from None
         self.model = model.frozen(self.device)
         # the proofs below are about the weights as they are now: ``certify`` refuses once the
         # caller's model or this private copy of it has changed
