@@ -651,8 +651,12 @@ def test_a_hook_for_every_module_or_a_model_not_lofasts_is_refused(trained):
             Certifier(model)
     finally:
         handle.remove()
-    with pytest.raises(CertificationError, match="of type Sequential, not LipschitzViT"):
+    with pytest.raises(CertificationError, match="takes a LipschitzViT .* not Sequential"):
         Certifier(torch.nn.Sequential(*model.stages))
+    subclassed = copy.deepcopy(model)
+    subclassed.__class__ = type("OwnViT", (type(model),), {})  # may walk its stages otherwise
+    with pytest.raises(CertificationError, match="of type OwnViT, not LipschitzViT"):
+        Certifier(subclassed)
     bare = copy.deepcopy(model)
     bare.stages.insert(1, torch.nn.Identity())
     with pytest.raises(CertificationError, match="stage 1 \\(Identity\\) has no spec"):
