@@ -112,6 +112,15 @@ def test_export_bakes_constants():
         assert torch.equal(plain(x), before)
 
 
+def test_export_refuses_a_model_whose_forward_pass_departs_from_its_specs():
+    """The export is built from the specs: of a model with a hook that scales its logits it
+    would be another function, and CROWN's verdicts would be about that one."""
+    model = randomized_model(preset("tiny"))
+    model.stages[-1].register_forward_hook(lambda module, inputs, out: out * 10)
+    with pytest.raises(LofastError, match="cannot export this model for CROWN: .* forward hook"):
+        export_plain(model)
+
+
 def test_margin_spec_rows():
     spec = margin_spec(torch.tensor([0, 2]), 3, torch.float64)
     expected = torch.tensor([[[1.0, -1, 0], [1, 0, -1]], [[-1, 0, 1], [0, -1, 1]]])

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lofast.errors import LofastError
-from lofast.models.vit import LipschitzViT
+from lofast.models.vit import LipschitzViT, foreign_part
 
 
 @torch.no_grad()
@@ -25,8 +25,13 @@ def export_plain(model: LipschitzViT, dtype: torch.dtype | None = None) -> nn.Se
     specs (``LipschitzViT.structure``) and stored as a buffer (constants folded together, e.g.
     1/scale into Wq, are combined in float64 first). Buffers are in `dtype` (default: the
     model's parameter dtype) on the model's device. It agrees with `model` to rounding (about
-    1e-16 relative in float64). Raises LofastError for a stage without a plain form.
+    1e-16 relative in float64). Raises LofastError for a stage without a plain form, and for a
+    model whose forward pass may differ from its specs (``foreign_part``: a hook, a replaced
+    method), whose export would be another function.
     """
+    foreign = foreign_part(model)
+    if foreign is not None:
+        raise LofastError(f"cannot export this model for CROWN: {foreign}")
     if dtype is None:
         dtype = next(model.parameters()).dtype
     training = model.training
