@@ -54,11 +54,16 @@ def test_shards_merge_into_the_single_run(setup, single, tmp_path):
         out = tmp_path / f"part{i}.jsonl"
         result = CliRunner().invoke(cli, certify_args(setup, out, "--shard", f"{i}/3"))
         assert result.exit_code == 0, result.output
-        assert json.loads(result.stdout)["samples"] == 4
+        shown = json.loads(result.stdout)
+        assert shown["samples"] == 4  # a part's figures say they are a part's
+        assert shown["part"] == {"part": i, "parts": 3, "samples": 12}
         parts.append(str(out))
+    alone = CliRunner().invoke(cli, ["report", parts[1]])
+    assert "part 1/3 of a run of 12" in " ".join(alone.output.split())
     merged = CliRunner().invoke(cli, ["report", "--merge", "--json", *parts])
     assert merged.exit_code == 0, merged.output
     (summary,) = json.loads(merged.stdout).values()
+    assert summary["part"] is None
     for key in COMPARED:
         assert summary[key] == pytest.approx(single[0][key])
     assert_same_records([r for p in parts for r in read_run(p)], single[1])

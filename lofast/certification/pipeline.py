@@ -163,7 +163,8 @@ def run_certify(config: CertifyConfig, progress: RunProgress | None = None,
             write_records(merged_out, records, [s for _, sessions in parts for s in sessions])
     summary = summarize(records, config.eps, time.perf_counter() - started,
                         guarantee_text(settings, failure), settings.describe(),
-                        float(settings.kappa), session.device, proof_seconds=proof_seconds)
+                        float(settings.kappa), session.device, proof_seconds=proof_seconds,
+                        part=run.get("shard") if ranks is None else None)
     attention = None
     if config.attention_report:
         attention = measure_attention(model, data, records, config.eps, settings, device,

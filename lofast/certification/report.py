@@ -71,6 +71,9 @@ class Summary:
     # out of the samples' times (``pipeline.make_proofs``); for a saved run, summed over its
     # sessions (None for a file of an earlier lofast, which holds only the samples' times).
     proof_seconds: float | None = None
+    # For one part of a sharded run (``certify --shard``; not merged): its "part" (0-based),
+    # "parts" and the whole run's "samples", so that a part's figures are not read as the run's
+    part: dict[str, int] | None = None
 
     def unmet(self, requirements: Sequence[Requirement | str]) -> list[str]:
         """One line for each requirement (a ``config.Requirement`` or its text, "36/255=42")
@@ -114,7 +117,8 @@ class Summary:
 
 def summarize(records: Sequence[SampleRecord], eps: Sequence[float], total_seconds: float,
               guarantee: str, bound: str, kappa: float, device: str,
-              finished: bool | None = True, proof_seconds: float | None = None) -> Summary:
+              finished: bool | None = True, proof_seconds: float | None = None,
+              part: dict[str, int] | None = None) -> Summary:
     n = len(records)
     eps = [float(e) for e in eps]
     certified = {e: sum(r.results[e].certified for r in records) / n if n else math.nan
@@ -161,6 +165,7 @@ def summarize(records: Sequence[SampleRecord], eps: Sequence[float], total_secon
         median_radius_ratio=statistics.median(ratios) if ratios else None,
         finished=finished,
         proof_seconds=proof_seconds,
+        part=part,
     )
 
 
@@ -178,7 +183,7 @@ def summarize_saved(saved: SavedRun) -> Summary:
                      sum(r.seconds for r in records) + (proofs or 0.0),
                      run.get("guarantee", "-"), run.get("bound", "-"),
                      run.get("kappa", math.nan), "; ".join(devices) or "-", saved.finished,
-                     proofs)
+                     proofs, run.get("shard"))
 
 
 @dataclass
@@ -338,6 +343,10 @@ def comparison_table(comparison: Comparison, name: str, baseline: str) -> Table:
 def summary_rows(summary: Summary) -> dict[str, str]:
     """The summary as (quantity -> formatted value), in display order."""
     unfinished = "  (the run did not finish)" if summary.finished is False else ""
+    if summary.part is not None:
+        part = summary.part
+        unfinished += (f"  (part {part['part']}/{part['parts']} of a run of {part['samples']}: "
+                       f"lofast report --merge its parts for the run's figures)")
     rows = {"samples": f"{summary.samples}{unfinished}",
             "clean accuracy": f"{summary.clean_accuracy:.2%}"}
     for e, value in summary.certified_accuracy.items():
