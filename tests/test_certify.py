@@ -663,6 +663,40 @@ def test_a_hook_for_every_module_or_a_model_not_lofasts_is_refused(trained):
         Certifier(bare)
 
 
+def test_calls_from_several_threads_take_turns(trained, monkeypatch):
+    """The per-model proofs are made on first use and shared, and the random starts are one
+    stream: two threads' batches run one after the other, each as it would alone."""
+    import threading
+    import time
+
+    model, x, y = trained
+    certifier = Certifier(copy.deepcopy(model))
+    events, original = [], Certifier._certify
+
+    def watched(self, images, labels):
+        events.append("enter")
+        time.sleep(0.05)  # long enough for the other thread to come in, if it may
+        try:
+            return original(self, images, labels)
+        finally:
+            events.append("exit")
+
+    monkeypatch.setattr(Certifier, "_certify", watched)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(certifier.certify(x, y)))
+               for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert events == ["enter", "exit"] * 2 and len(results) == 2
+    monkeypatch.undo()
+    alone = Certifier(copy.deepcopy(model))
+    first, second = alone.certify(x, y), alone.certify(x, y)
+    assert torch.equal(results[0].radius(), first.radius())
+    assert torch.equal(results[1].radius(), second.radius())
+
+
 def test_probabilistic_and_exact_agree(trained):
     model, x, y = trained
     exact = Certifier(model, CertifySettings(method=SpectralMethod(kind="dense"))).certify(x, y)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 from dataclasses import dataclass
 
@@ -311,11 +312,19 @@ class Certifier:
         # verdicts only: the walk defers the per-sample proofs, ``_radius_maps`` makes them
         self.norms = VerifiedNorms(self.settings, generator,
                                    cheap=self.settings.verdicts_at is not None)
+        # one batch at a time: the per-model proofs are made on first use and then shared, and
+        # the random starts are one stream, so calls from several threads take turns
+        self._turn = threading.RLock()
 
-    @torch.no_grad()
     def certify(self, images: Tensor, labels: Tensor) -> BatchCertificate:
         """images (B, C, H, W) in [0, 1] of the model's shape, labels (B,) integer classes of
-        the model -> certificates. CertificationError for anything else."""
+        the model -> certificates. CertificationError for anything else. Calls from several
+        threads run one after another."""
+        with self._turn:
+            return self._certify(images, labels)
+
+    @torch.no_grad()
+    def _certify(self, images: Tensor, labels: Tensor) -> BatchCertificate:
         started = time.perf_counter()
         self._check_unchanged()
         self._check_inputs(images, labels)
@@ -389,11 +398,12 @@ class Certifier:
         batches certify as if this had not run (the per-model draws have generators of their
         own). Whether every sample got bounds (a misclassified one gets none, and needs no
         proof). Arguments as for ``certify``."""
-        state = self.norms.generator.get_state()
-        try:
-            return bool(self.certify(images, labels).bounded.all())
-        finally:
-            self.norms.generator.set_state(state)
+        with self._turn:
+            state = self.norms.generator.get_state()
+            try:
+                return bool(self.certify(images, labels).bounded.all())  # reentrant turn
+            finally:
+                self.norms.generator.set_state(state)
 
     def _check_unchanged(self) -> None:
         """Refuse to certify once the model's weights differ from those this certifier was made
