@@ -344,6 +344,10 @@ def test_certifier_refuses_images_and_labels_the_model_was_not_made_for(checkpoi
     certificate = certifier.certify(x, y)
     with pytest.raises(CertificationError, match="radii"):
         certificate.certified(torch.tensor([0.05, -1.0], dtype=torch.float64))
+    for narrow in (torch.uint8, torch.int8, torch.int16, torch.int32):  # classes all the same
+        taken = certifier.certify(x, y.to(narrow))
+        assert taken.labels.dtype == torch.int64
+        assert torch.equal(taken.margins, certificate.margins)
 
 
 def test_certifier_refuses_settings_and_weights_it_cannot_trust(checkpoint):

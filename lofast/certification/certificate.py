@@ -333,7 +333,7 @@ class Certifier:
             raise CertificationError("input images contain NaN or infinity")
         if x.min() < 0 or x.max() > 1:
             raise CertificationError("pixel values must lie in [0, 1]")
-        labels = labels.to(self.device)
+        labels = labels.to(self.device, torch.long)  # any integer type names a class
         logits, activations = self.model.forward_with_activations(x)
         if not torch.isfinite(logits).all():
             raise CertificationError("the model's output is not finite on these images")
