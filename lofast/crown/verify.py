@@ -72,6 +72,8 @@ class MarginBounder:
 
     Wraps one auto_LiRPA BoundedModule of `export_plain(model)`, built on first use; the
     arguments are as in `crown_verify`. Imports auto_LiRPA (LofastError if it is missing).
+    Its bounds are of the model as exported here: a bounder made before the model's weights
+    changed bounds the old weights (``crown_verify`` exports afresh on every call).
     """
 
     def __init__(self, model: LipschitzViT, eps: float, method: str = "crown", *,
