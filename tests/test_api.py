@@ -103,19 +103,19 @@ def test_verdicts_only_runs_keep_the_verdicts_and_say_so(one_thread, checkpoint,
 
 
 def _out_of_memory_above(limit, monkeypatch):
-    """Certifier.certify raising the allocator's error for batches above ``limit`` images
-    (as CUDA's caching allocator does for a batch too large); returns the sizes asked for."""
+    """Certification raising the allocator's error for batches above ``limit`` images (as
+    CUDA's caching allocator does for a batch too large); returns the sizes asked for."""
     import torch
 
-    asked, original = [], Certifier.certify
+    asked, original = [], Certifier._certify
 
-    def certify(self, images, labels):
+    def certify(self, images, labels, screen=True):
         asked.append(len(images))
         if len(images) > limit:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
-        return original(self, images, labels)
+        return original(self, images, labels, screen)
 
-    monkeypatch.setattr(Certifier, "certify", certify)
+    monkeypatch.setattr(Certifier, "_certify", certify)
     return asked
 
 

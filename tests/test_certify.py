@@ -195,6 +195,42 @@ def test_verdicts_only_keeps_every_verdict_with_fewer_proofs(with_strong_spread_
     assert not broken.any(), "PGD broke a verdicts-only certificate"
 
 
+def test_the_proofs_pass_of_verdicts_only_makes_the_full_walks_proofs(
+        with_strong_spread_attention):
+    """``make_proofs`` on the same samples builds the same per-model proofs (the blocks'
+    deflations, the larger ones among them) in verdicts-only mode as in the full walk, though
+    the screen would skip some of those samples: no batch then pays for a per-model proof,
+    and its time is its samples' own. Its certificates are unchanged."""
+    from lofast.bounds.attention_spec import AttentionSpec
+
+    model, x, y = with_strong_spread_attention
+
+    def proofs_made(settings):
+        certifier = Certifier(model, settings)
+        certifier.make_proofs(x, y)
+        return certifier, [sorted(spec._deflations) for spec in certifier.structure
+                           if isinstance(spec, AttentionSpec)]
+
+    _, full = proofs_made(CertifySettings())
+    assert any(large for block in full for _, large in block)  # a larger deflation among them
+    # at a tiny eps the cheap bounds settle every verdict: the screen would make no proof
+    assert proofs_made(CertifySettings(verdicts_at=1e-12))[1] == full
+    first = Certifier(model, CertifySettings(verdicts_at=1e-12)).certify(x, y).radius()
+    at = float(first[first > 0].quantile(0.75))
+    certifier, verdicts = proofs_made(CertifySettings(verdicts_at=at))
+    assert verdicts == full
+    def held():
+        return [{key: id(made) for key, made in spec._deflations.items()}
+                for spec in certifier.structure if isinstance(spec, AttentionSpec)]
+
+    before = held()
+    fast = certifier.certify(x, y)
+    assert held() == before  # nothing new made in the batch
+    alone = Certifier(model, CertifySettings(verdicts_at=at)).certify(x, y)
+    assert torch.equal(fast.certified(torch.tensor([at], dtype=torch.float64)),
+                       alone.certified(torch.tensor([at], dtype=torch.float64)))
+
+
 def test_verdicts_only_makes_no_proof_where_nothing_is_deferred(monkeypatch):
     """The shipped default holds attention at its reference: no sample needs a per-sample
     proof, so even at an eps no sample reaches the cheap walk is the certificate, every

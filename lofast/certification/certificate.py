@@ -324,7 +324,9 @@ class Certifier:
             return self._certify(images, labels)
 
     @torch.no_grad()
-    def _certify(self, images: Tensor, labels: Tensor) -> BatchCertificate:
+    def _certify(self, images: Tensor, labels: Tensor, screen: bool = True) -> BatchCertificate:
+        """``certify``; with ``screen`` False the verdicts-only walk makes every deferred proof
+        (``_radius_maps``)."""
         started = time.perf_counter()
         self._check_unchanged()
         self._check_inputs(images, labels)
@@ -350,7 +352,7 @@ class Certifier:
             self.norms.prepare(self.structure)
             steps, guarantee, failure = self._radius_maps(
                 activations if bool(bounded.all()) else [a[bounded] for a in activations],
-                margins[bounded], pair_norms[bounded])
+                margins[bounded], pair_norms[bounded], screen)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return BatchCertificate(labels=labels, predictions=logits.argmax(dim=1), margins=margins,
@@ -359,7 +361,7 @@ class Certifier:
                                 seconds=time.perf_counter() - started)
 
     def _radius_maps(self, activations: list[Tensor], margins: Tensor, pair_norms: Tensor,
-                     ) -> tuple[list[RadiusMap], Guarantee, float]:
+                     screen: bool = True) -> tuple[list[RadiusMap], Guarantee, float]:
         """The radius maps of samples that all get bounds (activations, margins and pair norms
         of those samples alone), their weakest guarantee and per-sample failure probability.
 
@@ -370,22 +372,25 @@ class Certifier:
         (``AttentionSensitivity.with_lower_estimates``), which no proof goes below (with the
         estimate guarantee, where norms are not upper bounds, every such sample). The cheap
         bounds are no tighter than the full walk's, and the same where no proof was deferred,
-        so at every eps of verdicts_at both certificates certify the same samples."""
+        so at every eps of verdicts_at both certificates certify the same samples. Without
+        ``screen`` every deferred sample gets its proofs, as in the full walk."""
         steps = radius_maps(self.structure, activations, self.norms)
         if self.settings.verdicts_at is not None:
             deferred = torch.zeros_like(margins[:, 0], dtype=torch.bool)
             for step in steps:
                 if isinstance(step, AttentionSensitivity) and step.deferred is not None:
                     deferred |= step.deferred.rows
-            eps = margins.new_tensor(self.settings.verdicts_at)[None].expand(len(margins), -1)
-            cheap = head_certified(margins, pair_norms, propagate(steps, eps))  # (B, E)
-            refine = deferred & ~cheap.all(dim=1)
-            # estimated norms (power iteration) may lie below a lower bound: no screen there
-            if bool(refine.any()) and self.settings.method.guarantee is not Guarantee.ESTIMATE:
-                best = [step.with_lower_estimates(refine)
-                        if isinstance(step, AttentionSensitivity) else step for step in steps]
-                reachable = head_certified(margins, pair_norms, propagate(best, eps))
-                refine = refine & (reachable & ~cheap).any(dim=1)
+            refine = deferred
+            if screen:
+                eps = margins.new_tensor(self.settings.verdicts_at)[None].expand(len(margins), -1)
+                cheap = head_certified(margins, pair_norms, propagate(steps, eps))  # (B, E)
+                refine = deferred & ~cheap.all(dim=1)
+                # estimated norms (power iteration) may lie below a lower bound: no screen there
+                if bool(refine.any()) and self.settings.method.guarantee is not Guarantee.ESTIMATE:
+                    best = [step.with_lower_estimates(refine)
+                            if isinstance(step, AttentionSensitivity) else step for step in steps]
+                    reachable = head_certified(margins, pair_norms, propagate(best, eps))
+                    refine = refine & (reachable & ~cheap).any(dim=1)
             steps = [step.with_proofs(refine) if isinstance(step, AttentionSensitivity) else step
                      for step in steps]
         attention = [step for step in steps if isinstance(step, AttentionSensitivity)]
@@ -396,12 +401,14 @@ class Certifier:
         """Make the once-per-model proofs that these samples need by certifying them, the
         certificate dropped, without advancing the stream of per-sample random starts: later
         batches certify as if this had not run (the per-model draws have generators of their
-        own). Whether every sample got bounds (a misclassified one gets none, and needs no
-        proof). Arguments as for ``certify``."""
+        own). With ``verdicts_at`` every deferred proof is made, as the full certificate makes
+        it, so that no later batch's screen leaves a proof (a block's larger deflation) to be
+        made inside that batch. Whether every sample got bounds (a misclassified one gets none,
+        and needs no proof). Arguments as for ``certify``."""
         with self._turn:
             state = self.norms.generator.get_state()
-            try:
-                return bool(self.certify(images, labels).bounded.all())  # reentrant turn
+            try:  # every deferred proof: the per-model proofs the full walk would make here
+                return bool(self._certify(images, labels, screen=False).bounded.all())
             finally:
                 self.norms.generator.set_state(state)
 
