@@ -401,10 +401,10 @@ class Certifier:
         """Make the once-per-model proofs that these samples need by certifying them, the
         certificate dropped, without advancing the stream of per-sample random starts: later
         batches certify as if this had not run (the per-model draws have generators of their
-        own). With ``verdicts_at`` every deferred proof is made, as the full certificate makes
-        it, so that no later batch's screen leaves a proof (a block's larger deflation) to be
-        made inside that batch. Whether every sample got bounds (a misclassified one gets none,
-        and needs no proof). Arguments as for ``certify``."""
+        own). With ``verdicts_at`` these samples get every deferred proof, as in the full
+        certificate: the screen could skip them and so leave the per-model proofs they need (a
+        block's larger deflation) to the first batch. Whether every sample got bounds (a
+        misclassified one gets none, and needs no proof). Arguments as for ``certify``."""
         with self._turn:
             state = self.norms.generator.get_state()
             try:  # every deferred proof: the per-model proofs the full walk would make here
