@@ -385,7 +385,7 @@ def test_beta_crown_is_sound_and_at_least_alpha_crown(tiny):
     alpha_won = beta_won = broken_any = 0
     for eps in (0.05, 0.1):
         alpha = crown_verify(model, x, y, eps, method="alpha-crown", timeout=60)
-        beta = beta_crown_verify(model, x, y, eps, timeout=10, alpha_iterations=20,
+        beta = beta_crown_verify(model, x, y, eps, timeout=60, alpha_iterations=20,
                                  settings=BabSettings(batch_size=8))
         broken = pgd_l2(model, x, y, eps, steps=50, restarts=3)
         for a, b, attacked in zip(alpha, beta, broken):

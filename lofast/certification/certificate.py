@@ -272,8 +272,8 @@ class Certifier:
     the softmax refinement, kappa 1/2, and the guarantee "auto" resolved for the model
     (``CertifySettings.for_model``: deterministic upper bounds unless the model is too large
     for their proofs); ``settings`` holds the resolved settings. The certificates are of the
-    weights the model has when the certifier is made: ``certify`` raises CertificationError
-    once the model, or the certifier's own copy ``model``, has changed.
+    model as it is when the certifier is made: ``certify`` raises CertificationError once the
+    model (a weight or a setting), or the certifier's own copy ``model``, has changed.
     """
 
     def __init__(self, model: LipschitzViT, settings: CertifySettings | None = None,
@@ -413,9 +413,10 @@ class Certifier:
                 self.norms.generator.set_state(state)
 
     def _check_unchanged(self) -> None:
-        """Refuse to certify once the model's weights differ from those this certifier was made
-        for: its copy, its specs and its per-model proofs are of the old weights, so it would
-        certify a model the caller no longer has (or, where its own copy was edited, mix two)."""
+        """Refuse to certify once the model differs from the one this certifier was made for (a
+        weight, a setting, a hook): its copy, its specs and its per-model proofs are of the old
+        model, so it would certify one the caller no longer has (or, where its own copy was
+        edited, mix two)."""
         self._refuse_foreign_parts(self._source, " now")
         self._refuse_foreign_parts(self.model, " (Certifier.model, the certificate's own copy)")
         changed = self._source_state.changed(self._source)

@@ -302,7 +302,7 @@ def compare(run: Sequence[SampleRecord], baseline: Sequence[SampleRecord],
         median_radius=tuple(statistics.median(x.certified_radius for x in side)
                             for side in zip(*pairs)),
         finished=finished,
-        guarantees=(str(baseline[0].run.get("guarantee", "-")), str(run[0].run.get("guarantee", "-"))))
+        guarantees=tuple(str(side[0].run.get("guarantee", "-")) for side in (baseline, run)))
 
 
 # comparison_table names at most this many lost samples an eps (the JSON holds them all)
