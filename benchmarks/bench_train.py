@@ -3,7 +3,7 @@
     python benchmarks/bench_train.py [--preset paper-d3 | --checkpoint PATH] [--batch-size 256]
         [--steps 20] [--power-iterations 2] [--device auto] [--out bench_train.json]
         [--profile profile.txt] [--compile default|reduce-overhead|max-autotune|cudagraphs ...]
-        [--no-amp] [--cpu-amp] [--float32-matmul highest|high|medium]
+        [--no-amp] [--cpu-amp] [--float32-matmul highest|high|medium] [--stack-blocks auto|on|off]
 
 Times full optimisation steps (forward, loss, backward, AdamW) on random CIFAR-sized images, after
 warm-up steps, and extrapolates to one epoch of 50,000 images. Prints a table and writes JSON;
@@ -20,7 +20,8 @@ question (the default "highest" is what `lofast train` runs).
 Each eager row also counts the operators that launch work in one forward and backward pass
 (views and other metadata-only operators left out; the optimizer's few fused kernels too): on
 a GPU a step of these small tensors waits for the host to launch them, so the count predicts
-the GPU's time per step where no GPU is at hand.
+the GPU's time per step where no GPU is at hand (on a CPU with --stack-blocks on: the training
+bound then stacks its blocks as on a GPU).
 A fresh model has live attention; a trained certified one (--checkpoint) has nearly uniform
 attention, where the training bound, like the certifier, skips the refinement's power steps.
 """
@@ -33,8 +34,7 @@ import json
 import time
 
 import torch
-from measure import output_file, profile_table, sync  # beside this script
-from torch.utils._python_dispatch import TorchDispatchMode
+from measure import LaunchCounter, output_file, profile_table, sync  # beside this script
 
 from lofast.checkpoint import checkpoint_path, load_checkpoint
 from lofast.config import TrainConfig, preset
@@ -46,28 +46,13 @@ from lofast.training.objective import CompiledObjective, TrainingObjective
 
 EPOCH_IMAGES = 50_000
 
-# Operators that only relabel memory (is_view covers the rest of the views).
-METADATA_ONLY = {"_unsafe_view", "_reshape_alias", "alias", "detach", "lift_fresh"}
-
-
-class LaunchCounter(TorchDispatchMode):
-    """Counts the operators dispatched inside it that do work (not views)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view and func.overloadpacket.__name__ not in METADATA_ONLY:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def seconds_per_step(config: TrainConfig, initial: LipschitzViT, device: torch.device,
                      steps: int, warmup: int = 3, profile: str | None = None,
-                     compile_mode: str | None = None) -> tuple[float, int | None]:
+                     compile_mode: str | None = None,
+                     stack: bool | None = None) -> tuple[float, int | None]:
     """Seconds per optimisation step, and the operators launched by one forward and backward
-    pass (None under torch.compile, whose kernels bypass the dispatcher)."""
+    pass (None under torch.compile, whose kernels bypass the dispatcher); stack: the training
+    bound's ``TrainingBound.stack`` (None: its default for the device)."""
     model = copy.deepcopy(initial).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     generator = torch.Generator().manual_seed(0)
@@ -75,6 +60,8 @@ def seconds_per_step(config: TrainConfig, initial: LipschitzViT, device: torch.d
     y = torch.randint(0, 10, (config.batch_size,), generator=generator).to(device)
     bound = (TrainingBound(config.power_iterations, softmax_jacobian=config.softmax_jacobian)
              if config.loss == "certified" else None)
+    if bound is not None:
+        bound.stack = stack
     objective = TrainingObjective(model, config, bound)
     if compile_mode is not None:
         objective = CompiledObjective(objective, compile_mode)
@@ -125,6 +112,10 @@ def main() -> None:
                              "bound in float32 always)")
     parser.add_argument("--cpu-amp", action="store_true",
                         help="bfloat16 autocast on a CPU too (as `lofast train --cpu-amp`)")
+    parser.add_argument("--stack-blocks", choices=["auto", "on", "off"], default="auto",
+                        help="the training bound's attention blocks estimated together (on: as "
+                             "on an accelerator, whose launches a CPU run then counts) or a "
+                             "block at a time (off: as on a CPU); auto: the device's way")
     parser.add_argument("--compile", choices=["default", "reduce-overhead", "max-autotune",
                                               "cudagraphs"], action="append", default=[],
                         help="also time the plain and certified steps under torch.compile "
@@ -155,7 +146,8 @@ def main() -> None:
         step, launches = seconds_per_step(
             config, initial, device, args.steps,
             profile=args.profile if name == "certified" else None,
-            compile_mode=name.split("(")[1][:-1] if "compiled" in name else None)
+            compile_mode=name.split("(")[1][:-1] if "compiled" in name else None,
+            stack={"auto": None, "on": True, "off": False}[args.stack_blocks])
         rows[name] = {"ms_per_step": 1e3 * step,
                       "images_per_second": args.batch_size / step,
                       "seconds_per_epoch": step * EPOCH_IMAGES / args.batch_size,
@@ -175,7 +167,7 @@ def main() -> None:
               "checkpoint": args.checkpoint,
               "batch_size": args.batch_size, "power_iterations": args.power_iterations,
               "bfloat16_autocast": autocast_enabled(configs["ce"], device),
-              "float32_matmul": args.float32_matmul,
+              "float32_matmul": args.float32_matmul, "stack_blocks": args.stack_blocks,
               "rows": rows, "certified_over_plain": ratio,
               "unrefined_over_plain": unrefined,
               "compiled_certified_over_plain": compiled_ratios}

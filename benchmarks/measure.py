@@ -1,6 +1,8 @@
 """(helper) How the benchmarks measure: wall-clock seconds with the device synchronised, and
 torch.profiler's table of the operators that took the most time of their own; where they write
-their figures (``output_file``) and the counts they take (``positive_int``)."""
+their figures (``output_file``) and the counts they take (``positive_int``); the operators
+that launch work (``LaunchCounter``), which predict an accelerator's time where the host
+launches every kernel."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def output_file(value: str) -> str:
@@ -70,3 +73,20 @@ def profile_table(device: torch.device, run: Callable[[], object], repeats: int 
     table = profiler.key_averages(group_by_input_shape=shapes).table(
         sort_by=sort, row_limit=rows, max_name_column_width=40, max_shapes_column_width=70)
     return table, sort
+
+
+# Operators that only relabel memory (is_view covers the rest of the views).
+METADATA_ONLY = {"_unsafe_view", "_reshape_alias", "alias", "detach", "lift_fresh"}
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts the operators dispatched inside it that do work (not views)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket.__name__ not in METADATA_ONLY:
+            self.count += 1
+        return func(*args, **(kwargs or {}))

@@ -1,6 +1,9 @@
 """The differentiable training bound: gradients, agreement with the certifier, the loss."""
 
 import copy
+import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,10 +13,11 @@ from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.compose import ProjectionStep
 from lofast.bounds.estimate import (
     attention_sensitivity_estimate,
+    attention_sensitivity_estimates,
     column_space_factors,
+    stacked_weight_factors,
     top_singular_value,
     top_singular_value_estimate,
-    weight_factors,
 )
 from lofast.bounds.spectral import SpectralMethod
 from lofast.bounds.stages import radius_maps
@@ -222,16 +226,17 @@ def test_weight_factors_of_all_blocks_at_once_are_each_blocks_own():
     model = create_model(preset("tiny", depth=3, position_bias=True), seed=1)
     blocks = [s for s in model.structure(differentiable=True) if isinstance(s, AttentionSpec)]
     assert len(blocks) == 3
-    for w, together in zip(blocks, weight_factors(blocks, torch.float64)):
-        alone = weight_factors([w], torch.float64)[0]
+    stacked = stacked_weight_factors(blocks, torch.float64)
+    for j, w in enumerate(blocks):
+        alone = stacked_weight_factors([w], torch.float64)
         for name in ("query", "key", "value", "output", "score_weight_norm",
                      "value_weight_norm"):
-            torch.testing.assert_close(getattr(together, name), getattr(alone, name),
+            torch.testing.assert_close(getattr(stacked, name)[j], getattr(alone, name)[0],
                                        rtol=1e-12, atol=1e-14)
         exact = (torch.linalg.matrix_norm(w.score_matrices(), ord=2),
                  torch.linalg.matrix_norm(w.value_matrices(), ord=2))
-        torch.testing.assert_close(together.score_weight_norm, exact[0], rtol=1e-4, atol=0)
-        torch.testing.assert_close(together.value_weight_norm, exact[1], rtol=1e-4, atol=0)
+        torch.testing.assert_close(stacked.score_weight_norm[j], exact[0], rtol=1e-4, atol=0)
+        torch.testing.assert_close(stacked.value_weight_norm[j], exact[1], rtol=1e-4, atol=0)
 
 
 @pytest.mark.parametrize("rows, cols", [(17, 16), (16, 17), (5, 5)])
@@ -462,3 +467,108 @@ def test_float32_bound_matches_float64_closely():
     _, r64 = converged_radius(model, x, 0.1, iterations=50)
     _, r32 = converged_radius(copy.deepcopy(model).float(), x.float(), 0.1, iterations=50)
     assert torch.allclose(r32.double(), r64.double(), rtol=1e-3)
+
+
+ESTIMATE_FIELDS = ("zeta", "score_sensitivity", "value_norm", "score_weight_norm",
+                   "value_weight_norm", "softmax_first_order", "centered_value_norm",
+                   "row_score_sensitivity", "centered_score_sensitivity")
+
+
+def stacked_case():
+    """Four blocks for ``attention_sensitivity_estimates``: the three of a position-biased tiny
+    model at their clean tokens, the first with near-zero scores (its refinement is negligible,
+    so a CPU skips its power steps; the others take them), and a fourth of another batch shape
+    (a group of its own); start vectors for each."""
+    model = create_model(preset("tiny", depth=3, position_bias=True), seed=1).double()
+    structure = model.structure(differentiable=True)
+    _, activations = model.forward_with_activations(images(6))
+    indices = [k for k, s in enumerate(structure) if isinstance(s, AttentionSpec)]
+    blocks = [structure[k] for k in indices]
+    tokens = [activations[k].detach() for k in indices]
+    blocks[0] = dataclasses.replace(blocks[0], query=1e-4 * blocks[0].query,
+                                    key=1e-4 * blocks[0].key)
+    blocks.append(blocks[1])
+    tokens.append(tokens[1][:4])
+    g = torch.Generator().manual_seed(2)
+    starts = [torch.randn(t.shape[0], 2, *t.shape[1:], generator=g, dtype=torch.float64)
+              for t in tokens]
+    return blocks, tokens, starts
+
+
+def test_blocks_estimated_together_are_each_blocks_own():
+    """The training bound estimates every block at once, blocks of one shape stacked: each
+    block's quantities, final vectors and gradients are those it gets alone (to rounding), the
+    refinement's power steps taken only by the blocks that take them alone."""
+    blocks, tokens, starts = stacked_case()
+    tokens = [t.clone().requires_grad_(True) for t in tokens]
+    together = attention_sensitivity_estimates(tokens, blocks, starts=starts, iterations=3,
+                                               softmax_jacobian=True, stack=True)
+    assert len(together) == 4
+    for j, (w, t, start) in enumerate(zip(blocks, tokens, starts)):
+        alone, alone_vectors = attention_sensitivity_estimate(t, w, start=start, iterations=3,
+                                                              softmax_jacobian=True)
+        sensitivity, vectors = together[j]
+        for name in ESTIMATE_FIELDS:
+            torch.testing.assert_close(getattr(sensitivity, name), getattr(alone, name),
+                                       rtol=1e-12, atol=1e-15, msg=f"block {j}: {name}")
+        torch.testing.assert_close(vectors, alone_vectors, rtol=1e-12, atol=1e-15)
+        skipped = torch.equal(vectors[:, 1], start[:, 1])
+        assert skipped == (j == 0), j  # near-zero scores: no power steps for the refinement
+        for mine, theirs in zip(
+                torch.autograd.grad((sensitivity.zeta + sensitivity.softmax_first_order).sum(),
+                                    tokens, allow_unused=True, retain_graph=True),
+                torch.autograd.grad((alone.zeta + alone.softmax_first_order).sum(), tokens,
+                                    allow_unused=True)):
+            # a block's own tokens only (the others' None alone, zero together)
+            mine = torch.zeros_like(t) if mine is None else mine
+            theirs = torch.zeros_like(mine) if theirs is None else theirs
+            torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("softmax_jacobian", [False, True])
+def test_blocks_of_one_shape_cost_the_operators_of_one(softmax_jacobian):
+    """Stacked, blocks of one shape share their operators (an accelerator's training step waits
+    on each launch): three dispatch as many as two, and two barely more than one (a stack of
+    one needs fewer copies)."""
+    blocks, tokens, starts = stacked_case()
+    blocks, tokens = blocks[1:3] + blocks[1:2], tokens[1:3] + tokens[1:2]  # all take every step
+    starts = [s[:, :2 if softmax_jacobian else 1] for s in starts[1:3] + starts[1:2]]
+
+    benchmarks = str(Path(__file__).parents[1] / "benchmarks")
+    sys.path.insert(0, benchmarks)
+    try:
+        from measure import LaunchCounter  # the benchmarks' count of launches
+    finally:
+        sys.path.remove(benchmarks)
+
+    def operators(count):
+        with LaunchCounter() as counter:
+            attention_sensitivity_estimates(tokens[:count], blocks[:count],
+                                            starts=starts[:count], iterations=2,
+                                            softmax_jacobian=softmax_jacobian, stack=True)
+        return counter.count
+
+    assert operators(3) == operators(2) <= 1.05 * operators(1)
+
+
+def test_training_bound_with_blocks_stacked_is_the_bound_a_block_at_a_time():
+    """A training step stacks its blocks off the CPU: the radius and its gradients are those of
+    a block at a time (the CPU's way), to rounding, at the first call and warm-started."""
+    model = create_model(preset("tiny", depth=3, position_bias=True), seed=1).double()
+    x = images(6)
+    results = {}
+    for stack in (False, True):
+        bound = TrainingBound(2, softmax_jacobian=True, generator=torch.Generator().manual_seed(0))
+        bound.stack = stack
+        for call in range(2):
+            model.zero_grad()
+            _, radius = bound(model, x[3 * call:3 * call + 3], 0.1)
+            radius.sum().backward()
+            results[stack, call] = radius.detach(), [p.grad.clone() for p in model.parameters()
+                                                      if p.grad is not None]
+    for call in range(2):
+        (radius, grads), (stacked, stacked_grads) = results[False, call], results[True, call]
+        torch.testing.assert_close(stacked, radius, rtol=1e-12, atol=0)
+        assert len(grads) == len(stacked_grads) > 0
+        for mine, theirs in zip(stacked_grads, grads):
+            torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-14)

@@ -128,7 +128,8 @@ def first_order_maps(probs: Tensor, value: Tensor, output: Tensor,
                      residual: bool) -> tuple[LinearMap, LinearMap]:
     """T_X(G) = H G + sum_l P_l G Wv_l Wo_l and its adjoint
     T_X*(Y) = H^T Y + sum_l P_l^T Y Wo_l^T Wv_l^T, on (B, n, d), for probs (B, h, n, n), value
-    (h, d, e) and output (h, e, d), or (B, h, ...) each: a block of its own per batch item."""
+    (h, d, e) and output (h, e, d), or (B, h, ...) each: a block of its own per batch item; or
+    on (L, B, n, d) for L stacked blocks (``mix_heads``)."""
 
     def apply(G: Tensor) -> Tensor:
         out = mix_heads(probs, G, value, output)
@@ -427,8 +428,13 @@ def _power_of_two(t: Tensor) -> float:
 
 def mix_heads(probs: Tensor, G: Tensor, first: Tensor, second: Tensor) -> Tensor:
     """sum_l probs_l G first_l second_l: probs (B, h, n, n), G (B, n, d), first (h, d, e),
-    second (h, e, d), or each (B, h, ...) for maps of their own per batch item -> (B, n, d).
+    second (h, e, d), or each (B, h, ...) for maps of their own per batch item -> (B, n, d);
+    or L blocks stacked, probs (L, B, h, n, n), G (L, B, n, d), first (L, h, d, e), second
+    (L, h, e, d) -> (L, B, n, d), each block's samples in one product with its own weights.
     The head matrices stay factored (d x e, e x d)."""
+    if G.dim() == 4:
+        mixed = probs @ torch.einsum("lbnd,lhde->lbhne", G, first)
+        return torch.einsum("lbhne,lhef->lbnf", mixed, second)
     if first.dim() == 4:
         mixed = probs @ torch.einsum("bnd,bhde->bhne", G, first)
         return torch.einsum("bhne,bhef->bnf", mixed, second)

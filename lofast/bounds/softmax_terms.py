@@ -101,7 +101,9 @@ class FactoredProduct:
     (h, m, dh), shared by the batch, and projected (B, h, n, dh). ``softmax_first_order_maps``
     then forms G K_l as (G weight_l) projected_l^T: one (B n x m)(m x h dh) product for all
     heads and an (n x dh)(dh x n) one per head, instead of an (n x m)(m x n) one per head with
-    the (B, h, m, n) K_l in memory (twice as fast for lofast-s on a CPU thread)."""
+    the (B, h, m, n) K_l in memory (twice as fast for lofast-s on a CPU thread). For L blocks
+    stacked (``estimate.attention_sensitivity_estimates``): weight (L, h, m, dh) and projected
+    (L, B, h, n, dh), every product taken block by block."""
 
     weight: Tensor
     projected: Tensor
@@ -111,9 +113,14 @@ class FactoredProduct:
         return self.weight @ self.projected.mT
 
     def stacked_weight(self) -> Tensor:
-        """[weight_1 ... weight_h] (m, h dh)."""
-        heads, m, dh = self.weight.shape
-        return self.weight.permute(1, 0, 2).reshape(m, heads * dh)
+        """[weight_1 ... weight_h] (m, h dh), or (L, m, h dh) for stacked blocks."""
+        return self.weight.movedim(-3, -2).flatten(-2)
+
+
+def _times_weight(G: Tensor, weight: Tensor) -> Tensor:
+    """G W for G (B, n, m) and W (m, k), one product for the batch; or block by block, G
+    (L, B, n, m) and W (L, m, k), without copying W once per sample (as broadcasting would)."""
+    return G @ weight if weight.dim() == 2 else torch.einsum("lbnm,lmk->lbnk", G, weight)
 
 
 # per head an (m x n) matrix: multiplied out (B, h, m, n), or as its factors
@@ -129,19 +136,20 @@ def score_factors(x_query: Tensor, x_key: Tensor, query: Tensor,
 
 
 def _times(G: Tensor, factor: HeadMatrices) -> Tensor:
-    """G K_l for G (B, n, m) and every head: (B, h, n, n)."""
+    """G K_l for G (B, n, m) and every head: (B, h, n, n); (L, B, ...) for stacked blocks."""
     if isinstance(factor, Tensor):
         return G[:, None] @ factor
-    heads, _, dh = factor.weight.shape
-    projected = (G @ factor.stacked_weight()).unflatten(-1, (heads, dh)).transpose(1, 2)
-    return projected @ factor.projected.mT
+    heads, _, dh = factor.weight.shape[-3:]
+    projected = _times_weight(G, factor.stacked_weight()).unflatten(-1, (heads, dh))
+    return projected.transpose(-3, -2) @ factor.projected.mT
 
 
 def _times_transposed(M: Tensor, factor: HeadMatrices) -> Tensor:
-    """sum_l M_l K_l^T for M (B, h, n, n): (B, n, m)."""
+    """sum_l M_l K_l^T for M (B, h, n, n): (B, n, m); (L, B, ...) for stacked blocks."""
     if isinstance(factor, Tensor):
         return (M @ factor.mT).sum(dim=1)
-    return (M @ factor.projected).transpose(1, 2).flatten(2) @ factor.stacked_weight().mT
+    return _times_weight((M @ factor.projected).transpose(-3, -2).flatten(-2),
+                         factor.stacked_weight().mT)
 
 
 def score_norm(x_score: Tensor, x_score_t: Tensor, method: SpectralMethod,

@@ -17,12 +17,7 @@ from torch import Tensor
 
 from lofast.bounds.attention_spec import AttentionSpec
 from lofast.bounds.compose import RadiusMap, propagate
-from lofast.bounds.estimate import (
-    WeightFactors,
-    attention_sensitivity_estimate,
-    top_singular_value,
-    weight_factors,
-)
+from lofast.bounds.estimate import attention_sensitivity_estimates, top_singular_value
 from lofast.bounds.stages import radius_maps
 from lofast.errors import LofastError
 from lofast.models.vit import LipschitzViT
@@ -33,7 +28,9 @@ class TrainingBound:
 
     The stages are walked by ``bounds.stages.radius_maps``, the certifier's walk, with this
     object as the ``StageRules``: the embedding norm by repeated squaring of its Gram matrix
-    (no solver), attention from ``attention_sensitivity_estimate``. It holds, for every
+    (no solver), attention from ``attention_sensitivity_estimates``, made for every block before
+    the walk (the recorded activations are every block's clean tokens), so that blocks of one
+    shape share each kernel launch (an accelerator's step waits on launches). It holds, for every
     attention stage, the final power-iteration vectors of the first WARM_STARTS samples of the
     last call, and starts the next call's samples from them in turn; ``state``/``load_state``
     save and restore them with the training state.
@@ -46,6 +43,7 @@ class TrainingBound:
     # of 1024 at width 256: 214 MB)
     WARM_STARTS = 16
     local_projection = True  # the certifier's default
+    stack: bool | None = None  # blocks of one shape stacked (``attention_sensitivity_estimates``)
 
     def __init__(self, iterations: int = 2, kappa: float = 0.5, softmax_jacobian: bool = True,
                  generator: torch.Generator | None = None) -> None:
@@ -56,7 +54,7 @@ class TrainingBound:
         self.softmax_jacobian = softmax_jacobian
         self.generator = generator
         self.vectors: dict[int, Tensor] = {}
-        self.factors: dict[int, WeightFactors] = {}  # per call: the blocks' weights-only part
+        self.sensitivities: dict[int, RadiusMap] = {}  # per call: every block's, by stage index
 
     def __call__(self, model: LipschitzViT, images: Tensor,
                  eps: float | Tensor) -> tuple[Tensor, Tensor]:
@@ -69,12 +67,14 @@ class TrainingBound:
             dtype = torch.promote_types(activations[0].dtype, torch.float32)
             with torch.autocast(images.device.type, enabled=False):
                 structure = model.structure(differentiable=True)
-                blocks = {k: s for k, s in enumerate(structure) if isinstance(s, AttentionSpec)}
-                self.factors = dict(zip(blocks, weight_factors(list(blocks.values()), dtype)))
+                tokens = [act.to(dtype) for act in activations]
+                self.sensitivities = self._attention_estimates(
+                    {k: spec for k, spec in enumerate(structure) if isinstance(spec, AttentionSpec)},
+                    dict(enumerate(tokens)))
                 try:
-                    steps = radius_maps(structure, [act.to(dtype) for act in activations], self)
+                    steps = radius_maps(structure, tokens, self)
                 finally:
-                    self.factors = {}
+                    self.sensitivities = {}
                 # eps may be a tensor (1,) on the device (a compiled step: a float would be
                 # a constant of its graph, compiled anew at every step of the radius ramp)
                 radius = (eps.to(dtype).repeat(images.shape[0], 1) if isinstance(eps, Tensor)
@@ -85,15 +85,32 @@ class TrainingBound:
     def embedding_norm(self, index: int, weight: Tensor) -> Tensor:
         return top_singular_value(weight)
 
+    def _attention_estimates(self, blocks: dict[int, AttentionSpec],
+                             tokens: dict[int, Tensor]) -> dict[int, RadiusMap]:
+        """The sensitivity of every block (by stage index) at its clean tokens, all blocks
+        estimated together; keeps each block's first WARM_STARTS final vectors."""
+        starts = []
+        for index in blocks:
+            start, batch = self.vectors.get(index), tokens[index].shape[0]
+            if start is not None:  # the kept vectors in turn, one per sample
+                start = start.repeat(-(-batch // start.shape[0]), 1, 1, 1)[:batch]
+            starts.append(start)
+        estimates = attention_sensitivity_estimates(
+            [tokens[k] for k in blocks], list(blocks.values()), starts=starts,
+            kappa=self.kappa, iterations=self.iterations,
+            softmax_jacobian=self.softmax_jacobian, generator=self.generator, stack=self.stack)
+        sensitivities = {}
+        for index, (sensitivity, vectors) in zip(blocks, estimates):
+            self.vectors[index] = vectors[:self.WARM_STARTS].clone()  # not a view of the batch's
+            sensitivities[index] = sensitivity
+        return sensitivities
+
     def attention(self, index: int, tokens: Tensor, spec: AttentionSpec) -> RadiusMap:
-        start = self.vectors.get(index)
-        if start is not None:  # the kept vectors in turn, one per sample
-            start = start.repeat(-(-tokens.shape[0] // start.shape[0]), 1, 1, 1)[:tokens.shape[0]]
-        sensitivity, vectors = attention_sensitivity_estimate(
-            tokens, spec, kappa=self.kappa, start=start, iterations=self.iterations,
-            softmax_jacobian=self.softmax_jacobian, generator=self.generator,
-            factors=self.factors.get(index))
-        self.vectors[index] = vectors[:self.WARM_STARTS].clone()  # not a view of the batch's
+        """The block's sensitivity: made before the walk at these same tokens by ``__call__``,
+        or here for this block alone when another caller walks the stages."""
+        sensitivity = self.sensitivities.pop(index, None)
+        if sensitivity is None:
+            sensitivity = self._attention_estimates({index: spec}, {index: tokens})[index]
         return sensitivity
 
     def state(self) -> dict[str, Tensor]:
